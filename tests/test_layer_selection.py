@@ -1,0 +1,60 @@
+"""Which layers get substitutes, against vLLM's real offload configuration objects."""
+
+import torch
+from torch import nn
+from vllm.config.offload import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
+
+from vllm_subspec.layer_selection import offloaded_layer_indices, planned_offload
+
+MIB = 2**20
+
+
+def layers(n=8, mib_per_layer=4, device="cpu"):
+    # one bf16 parameter of `mib_per_layer` MiB per layer
+    numel = mib_per_layer * MIB // 2
+    out = nn.ModuleList()
+    for _ in range(n):
+        m = nn.Module()
+        m.weight = nn.Parameter(torch.empty(numel, dtype=torch.bfloat16, device=device),
+                                requires_grad=False)
+        out.append(m)
+    return out
+
+
+def test_no_offload_selects_nothing():
+    assert planned_offload(layers(), OffloadConfig()) == []
+    assert offloaded_layer_indices(layers(), OffloadConfig(), torch.device("cpu")) == []
+
+
+def test_uva_budget_takes_leading_layers():
+    cfg = OffloadConfig(uva=UVAOffloadConfig(cpu_offload_gb=10 * MIB / 2**30))
+    assert cfg.offload_backend == "auto"
+    # 10 MiB over 4 MiB layers: layers 0, 1 whole and part of 2
+    assert planned_offload(layers(), cfg) == [0, 1, 2]
+
+
+def test_uva_param_filter():
+    cfg = OffloadConfig(uva=UVAOffloadConfig(cpu_offload_gb=1.0, cpu_offload_params={"bias"}))
+    assert planned_offload(layers(), cfg) == []
+
+
+def test_prefetch_groups():
+    cfg = OffloadConfig(prefetch=PrefetchOffloadConfig(offload_group_size=4,
+                                                       offload_num_in_group=2))
+    assert planned_offload(layers(8), cfg) == [2, 3, 6, 7]
+
+
+def test_live_offloader_wins():
+    ls = layers(4)
+
+    class FakePrefetchOffloader:  # the shape of vLLM's PrefetchOffloader.module_offloaders
+        module_offloaders = [type("M", (), {"module": ls[1]})(), type("M", (), {"module": ls[3]})()]
+
+    assert offloaded_layer_indices(ls, OffloadConfig(), torch.device("cuda"),
+                                   FakePrefetchOffloader()) == [1, 3]
+
+
+def test_uva_marker_detected_on_accelerator():
+    ls = layers(3, device="meta")  # stands for accelerator-resident weights
+    ls[0].weight._vllm_is_uva_offloaded = True
+    assert offloaded_layer_indices(ls, OffloadConfig(), torch.device("cuda")) == [0]

@@ -1,0 +1,116 @@
+"""Quantizer and kernels: the CPU int4 path equals the reference dequantize+matmul."""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_subspec.config import SubSpecOptions
+from vllm_subspec.draft_model import build_substitutes
+from vllm_subspec.substitute import (
+    Int4CpuKernel,
+    ReferenceKernel,
+    SubstituteLinear,
+    choose_kernel,
+    quantize,
+)
+
+CPU = torch.device("cpu")
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def weight():
+    torch.manual_seed(0)
+    return (torch.randn(192, 256) * 0.05).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_cpu_matches_reference(weight, group_size):
+    qw = quantize(weight, bits=4, group_size=group_size)
+    x = torch.randn(7, 256, dtype=torch.bfloat16)
+    ref = ReferenceKernel(qw, torch.bfloat16)(x)
+    fast = Int4CpuKernel(qw, torch.bfloat16)(x)
+    assert fast.shape == ref.shape == (7, 192)
+    assert rel_err(fast, ref) < 1e-2  # bf16 accumulation differences only
+    # 3-D activations keep their leading dims
+    assert Int4CpuKernel(qw, torch.bfloat16)(x.view(1, 7, 256)).shape == (1, 7, 192)
+
+
+def test_quantization_is_accurate_and_codes_in_range(weight):
+    qw = quantize(weight, bits=4, group_size=64)
+    assert qw.codes.dtype == torch.uint8 and int(qw.codes.max()) <= 15
+    assert qw.scale.shape == qw.zero.shape == (192, 256 // 64)
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    err = rel_err(ReferenceKernel(qw, torch.bfloat16)(x), x @ weight.T)
+    assert 0.0 < err < 0.15  # lossy, but a faithful 4-bit copy
+    # HQQ's solver refines the zero point: fractional zeros, better than round-to-nearest.
+    rtn = quantize(weight, bits=4, group_size=64, method="rtn")
+    assert (qw.zero - qw.zero.round()).abs().mean() > 0.01
+    assert err < rel_err(ReferenceKernel(rtn, torch.bfloat16)(x), x @ weight.T)
+
+
+def test_lower_bits_use_reference_kernel(weight):
+    qw = quantize(weight, bits=3, group_size=64)
+    assert choose_kernel(qw, CPU) is ReferenceKernel
+    assert choose_kernel(quantize(weight, bits=4, group_size=64), CPU) is Int4CpuKernel
+    with pytest.raises(ValueError, match="cannot run"):
+        choose_kernel(qw, CPU, "int4_cpu")
+
+
+def test_gemlite_never_imported_on_cpu(weight):
+    qw = quantize(weight, bits=4, group_size=64)
+    assert choose_kernel(qw, CPU, "auto") is Int4CpuKernel
+    assert "gemlite" not in sys.modules
+
+
+def test_substitute_linear_call_convention(weight):
+    bias = torch.randn(192, dtype=torch.bfloat16)
+    qw = quantize(weight, bits=4, group_size=64)
+    sub = SubstituteLinear(Int4CpuKernel(qw, torch.bfloat16), bias)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    y, out_bias = sub(x)  # vLLM linears return (output, output_bias)
+    assert out_bias is None
+    assert rel_err(y, ReferenceKernel(qw, torch.bfloat16)(x) + bias) < 1e-2
+    assert sub.bias.data_ptr() != bias.data_ptr()  # owns its bias
+
+
+class _Attn(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.qkv_proj = nn.Linear(h, 3 * h, bias=False, dtype=torch.bfloat16)
+        self.o_proj = nn.Linear(h, h, bias=False, dtype=torch.bfloat16)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(h, 4 * h, bias=False, dtype=torch.bfloat16)
+        self.down_proj = nn.Linear(2 * h, h, bias=False, dtype=torch.bfloat16)
+
+
+class _Layer(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.self_attn, self.mlp = _Attn(h), _Mlp(h)
+
+
+def test_substitute_memory_is_28_percent_of_bf16():
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([_Layer(256) for _ in range(3)])
+    opts = SubSpecOptions.from_dict({"quantizer": "rtn"})
+    subs = build_substitutes(model, [0, 2], opts, CPU)
+    assert sorted(subs.layers) == [0, 2]
+    assert set(subs.layers[0]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    linear_bytes = sum(p.numel() * 2 for p in model.model.layers[0].parameters()) * 2
+    assert subs.replaced_bytes == linear_bytes
+    ratio = subs.nbytes() / subs.replaced_bytes
+    # 4 bits + one bf16 scale and one bf16 zero per 64 weights = 4.5 bits = 28.1% of bf16
+    assert ratio == pytest.approx(4.5 / 16, rel=0.01)
+    # substitutes are not registered as submodules of the target
+    assert not any("subspec" in n for n, _ in model.named_modules())

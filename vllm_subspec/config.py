@@ -1,0 +1,159 @@
+"""SubSpec options: parsing and validation of the `speculative_config` JSON.
+
+Users write `{"method": "subspec", ...}`. The SubSpec keys are validated here, before the engine
+starts, and travel to the engine core and workers inside `VllmConfig.additional_config["subspec"]`
+(a plain dict, so it pickles and is hashed by vLLM). vLLM itself sees `method="draft_model"` with
+the target as the "draft model" (see `patches.py` for why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+METHOD = "subspec"
+ADDITIONAL_CONFIG_KEY = "subspec"
+
+# Dense decoder-only architectures whose layers expose the linears SubSpec substitutes
+# (`self_attn.qkv_proj/o_proj`, `mlp.gate_up_proj/down_proj`) and whose model forward is
+# embed -> layers(positions, hidden, residual) -> norm.
+SUPPORTED_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    }
+)
+
+SUBSTITUTE_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+_SUBSTITUTE_LAYER_MODES = ("offloaded", "all")
+_BITS = (2, 3, 4, 8)
+_GROUP_SIZES = (32, 64, 128, 256)
+_KERNELS = ("auto", "int4_cpu", "gemlite", "reference")
+_QUANTIZERS = ("hqq", "rtn")
+MAX_DEPTH = 64
+
+
+class SubSpecConfigError(ValueError):
+    """A bad SubSpec configuration. Raised before the engine starts."""
+
+    def __init__(self, message: str):
+        super().__init__(f"vllm-subspec: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubSpecOptions:
+    num_speculative_tokens: int = 8
+    """Chain depth: draft tokens proposed per step."""
+    substitute_layers: str | tuple[int, ...] = "offloaded"
+    """"offloaded" (layers vLLM's offloader put in CPU memory), "all", or layer indices."""
+    bits: int = 4
+    group_size: int = 64
+    draft_temperature: float = 0.2
+    """Sharpening temperature of the draft distribution (scores only; never verification)."""
+    kernel: str = "auto"
+    """Substitute matmul: auto (int4_cpu on CPU, gemlite on CUDA), int4_cpu, gemlite, reference."""
+    quantizer: str = "hqq"
+    """hqq (HQQ solver, the paper's choice) or rtn (round-to-nearest; fast, for tests)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if isinstance(self.substitute_layers, tuple):
+            d["substitute_layers"] = list(self.substitute_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SubSpecOptions:
+        """Validate user options. Every problem is reported in one message."""
+        raw = {k.replace("-", "_"): v for k, v in raw.items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise SubSpecConfigError(
+                f"unknown speculative_config key(s) {unknown} for method 'subspec'; "
+                f"valid keys: {sorted(known | {'method'})}"
+            )
+        opts = cls(**{k: v for k, v in raw.items() if k in known})
+        problems = opts._problems()
+        if problems:
+            raise SubSpecConfigError("invalid speculative_config: " + "; ".join(problems))
+        if isinstance(opts.substitute_layers, list):
+            opts = dataclasses.replace(opts, substitute_layers=tuple(opts.substitute_layers))
+        return opts
+
+    def _problems(self) -> list[str]:
+        p = []
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_DEPTH:
+            p.append(f"num_speculative_tokens must be an integer in [1, {MAX_DEPTH}], got {k!r}")
+        layers = self.substitute_layers
+        if isinstance(layers, (list, tuple)):
+            if not all(_is_int(i) and i >= 0 for i in layers):
+                p.append(f"substitute_layers must list non-negative layer indices, got {layers!r}")
+            elif len(set(layers)) != len(layers):
+                p.append(f"substitute_layers has duplicate indices: {layers!r}")
+        elif layers not in _SUBSTITUTE_LAYER_MODES:
+            p.append(
+                f"substitute_layers must be one of {list(_SUBSTITUTE_LAYER_MODES)} or a list of "
+                f"layer indices, got {layers!r}"
+            )
+        if self.bits not in _BITS or not _is_int(self.bits):
+            p.append(f"bits must be one of {list(_BITS)}, got {self.bits!r}")
+        if self.group_size not in _GROUP_SIZES or not _is_int(self.group_size):
+            p.append(f"group_size must be one of {list(_GROUP_SIZES)}, got {self.group_size!r}")
+        t = self.draft_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 10:
+            p.append(f"draft_temperature must be a number in (0, 10], got {t!r}")
+        if self.kernel not in _KERNELS:
+            p.append(f"kernel must be one of {list(_KERNELS)}, got {self.kernel!r}")
+        elif self.kernel == "int4_cpu" and self.bits != 4:
+            p.append(f"kernel 'int4_cpu' needs bits=4, got bits={self.bits}")
+        elif self.kernel == "gemlite" and self.bits != 4:
+            p.append(f"kernel 'gemlite' is wired for bits=4 only, got bits={self.bits}")
+        if self.quantizer not in _QUANTIZERS:
+            p.append(f"quantizer must be one of {list(_QUANTIZERS)}, got {self.quantizer!r}")
+        return p
+
+    def resolve_layers(self, num_layers: int, offloaded: list[int]) -> list[int]:
+        """The decoder layer indices that get a substitute."""
+        if self.substitute_layers == "all":
+            return list(range(num_layers))
+        if self.substitute_layers == "offloaded":
+            return sorted(offloaded)
+        bad = [i for i in self.substitute_layers if i >= num_layers]
+        if bad:
+            raise SubSpecConfigError(
+                f"substitute_layers {bad} out of range: the model has {num_layers} layers"
+            )
+        return sorted(self.substitute_layers)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_target_supported(hf_config: Any, tensor_parallel_size: int, pipeline_parallel_size: int):
+    """Reject targets SubSpec cannot draft for, with one clear message."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise SubSpecConfigError(
+            f"unsupported architecture {archs}; SubSpec supports dense decoder-only models "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    moe_keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+    if any(getattr(hf_config, k, None) for k in moe_keys):
+        raise SubSpecConfigError("mixture-of-experts models are not supported by SubSpec")
+    if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+        raise SubSpecConfigError(
+            "SubSpec runs on a single device: tensor_parallel_size and pipeline_parallel_size "
+            f"must be 1 (got {tensor_parallel_size} and {pipeline_parallel_size})"
+        )
+
+
+def options_from_vllm_config(vllm_config: Any) -> SubSpecOptions | None:
+    """The SubSpec options carried by a VllmConfig, or None when SubSpec is off."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(ADDITIONAL_CONFIG_KEY)
+    return None if raw is None else SubSpecOptions.from_dict(raw)

@@ -1,0 +1,229 @@
+"""Substitutes: low-bit copies of a target linear, built from the target's own weights.
+
+One small interface: `quantize(weight, ...) -> QuantizedWeight`, then `make_kernel(qw, ...)`
+gives a callable `x -> x @ W_deq.T` that owns only its packed tensors. `SubstituteLinear` wraps a
+kernel so it drops into a vLLM decoder layer where a `LinearBase` was (it returns `(y, None)`).
+
+Kernels:
+- `Int4CpuKernel`: `aten._weight_int4pack_mm_for_cpu`. tinygemm computes (q - 8)*s + z_tg and
+  HQQ (q - z)*s, so z_tg = (8 - z)*s keeps HQQ's float zeros exactly.
+- `GemliteKernel`: GemLite A16W4 (CUDA only; gemlite is imported lazily, never on CPU).
+- `ReferenceKernel`: dequantize + matmul on every call; the oracle for tests, any bit width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class QuantizedWeight:
+    """Asymmetric group quantization along the input dim: W[n, k] = (codes - zero) * scale."""
+
+    codes: torch.Tensor  # uint8 [N, K], values in [0, 2**bits)
+    scale: torch.Tensor  # float32 [N, K // group_size]
+    zero: torch.Tensor  # float32 [N, K // group_size] (HQQ zeros are fractional)
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        n, k = self.shape
+        g = self.group_size
+        w = (self.codes.float().view(n, k // g, g) - self.zero[..., None]) * self.scale[..., None]
+        return w.view(n, k).to(dtype)
+
+
+def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 64, method: str = "hqq"):
+    """Quantize a [N, K] weight with HQQ (axis=1, i.e. groups of consecutive input elements).
+
+    `method="hqq"` runs HQQ's proximal solver (refines the zero point); `"rtn"` is plain
+    min/max round-to-nearest. The input is not modified and no full-precision copy is kept.
+    """
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
+    cfg = BaseQuantizeConfig(nbits=bits, group_size=group_size, axis=1)
+    cfg["weight_quant_params"]["optimize"] = method == "hqq"
+    # HQQ's solver runs in the compute dtype on CUDA and fp32 on CPU.
+    dtype = torch.float16 if weight.is_cuda else torch.bfloat16
+    hqq = HQQLinear.from_weights(
+        weight.detach(), None, cfg, compute_dtype=dtype, device=str(weight.device)
+    )
+    # unpack() gives one row per group; 3-bit packing pads the row count.
+    codes = hqq.unpack(dtype=torch.uint8)[: n * k // group_size].reshape(n, k)
+    g = k // group_size
+    qw = QuantizedWeight(
+        codes=codes.contiguous(),
+        scale=hqq.meta["scale"].view(n, g).float(),
+        zero=hqq.meta["zero"].view(n, g).float(),
+        bits=bits,
+        group_size=group_size,
+    )
+    del hqq
+    return qw
+
+
+class Int4CpuKernel:
+    name = "int4_cpu"
+
+    @staticmethod
+    def supports(qw: QuantizedWeight, device: torch.device) -> bool:
+        n, _ = qw.shape
+        return (
+            device.type == "cpu"
+            and qw.bits == 4
+            and n % 16 == 0
+            and qw.group_size in (32, 64, 128, 256)
+        )
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+        n, k = qw.shape
+        self.out_features, self.in_features = n, k
+        self.group_size = qw.group_size
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            qw.codes.to(torch.int32).contiguous(), 1
+        )  # [N, K/2] uint8
+        zero_tg = (8 - qw.zero) * qw.scale
+        # [G, N, 2] in the activation dtype, as tinygemm wants.
+        self.scales_and_zeros = (
+            torch.stack([qw.scale, zero_tg], -1).transpose(0, 1).contiguous().to(dtype)
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed, self.group_size, self.scales_and_zeros
+        )
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales_and_zeros]
+
+
+class ReferenceKernel:
+    """Dequantize + matmul on every call. Slow; the oracle the fast kernels are tested against."""
+
+    name = "reference"
+
+    @staticmethod
+    def supports(qw: QuantizedWeight, device: torch.device) -> bool:
+        return True
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+        self.qw = qw
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.qw.dequantize(x.dtype))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qw.codes, self.qw.scale, self.qw.zero]
+
+
+class GemliteKernel:
+    """GemLite A16W4 (Triton) with HQQ's float zeros kept exactly (fma mode: q*s + (-z*s)).
+
+    Written against gemlite 0.6.0.post2 (`gemlite.helper.A16W4_HQQ_INT.from_weights`).
+    """
+
+    name = "gemlite"
+
+    @staticmethod
+    def supports(qw: QuantizedWeight, device: torch.device) -> bool:
+        _, k = qw.shape
+        return device.type == "cuda" and qw.bits == 4 and k % 32 == 0 and gemlite_available()
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+        from gemlite.helper import A16W4_HQQ_INT  # lazy: importing gemlite needs CUDA
+
+        self.layer = A16W4_HQQ_INT(device=str(qw.codes.device), dtype=dtype).from_weights(
+            W_q=qw.codes, scales=qw.scale.to(dtype), zeros=qw.zero.to(dtype), bias=None
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self.layer).values() if isinstance(t, torch.Tensor)] + [
+            b for b in self.layer.buffers()
+        ]
+
+
+def gemlite_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import gemlite  # noqa: F401
+    except Exception:  # gemlite raises various errors when CUDA/triton are unusable
+        return False
+    return True
+
+
+KERNELS = {k.name: k for k in (Int4CpuKernel, GemliteKernel, ReferenceKernel)}
+
+
+def choose_kernel(qw: QuantizedWeight, device: torch.device, kernel: str = "auto"):
+    """Pick the kernel class. "auto": int4_cpu on CPU, gemlite on CUDA, else reference."""
+    if kernel != "auto":
+        cls = KERNELS[kernel]
+        if not cls.supports(qw, device):
+            raise ValueError(f"kernel {kernel!r} cannot run a {qw.shape} {qw.bits}-bit "
+                             f"weight on {device.type}")
+        return cls
+    for cls in (Int4CpuKernel, GemliteKernel):
+        if cls.supports(qw, device):
+            return cls
+    if device.type == "cuda" and qw.bits == 4:
+        logger.warning(
+            "vllm-subspec: gemlite is not importable on this CUDA machine; substitutes fall back "
+            "to the slow dequantize+matmul path. `pip install gemlite==0.6.0.post2` to fix."
+        )
+    return ReferenceKernel
+
+
+class SubstituteLinear(torch.nn.Module):
+    """Stands in for a vLLM linear inside the draft: same call convention, low-bit weights."""
+
+    def __init__(self, kernel, bias: torch.Tensor | None, source_name: str = ""):
+        super().__init__()
+        self.kernel = kernel
+        # Biases are tiny; copy them so the substitute never reads offloaded memory.
+        self.bias = None if bias is None else bias.detach().clone()
+        self.source_name = source_name
+
+    def forward(self, x: torch.Tensor):
+        y = self.kernel(x)
+        if self.bias is not None:
+            y = y + self.bias
+        return y, None  # vLLM linears return (output, output_bias)
+
+    def nbytes(self) -> int:
+        ts = self.kernel.tensors() + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def extra_repr(self) -> str:
+        return f"{self.source_name}, kernel={self.kernel.name}"
+
+
+def build_substitute_linear(linear: torch.nn.Module, device: torch.device, bits: int,
+                            group_size: int, quantizer: str, kernel: str,
+                            name: str = "") -> SubstituteLinear:
+    """Quantize a loaded vLLM linear's weight (before vLLM repacks it) into a substitute that
+    lives on `device`. An offloaded weight passes through `device` one linear at a time."""
+    weight = linear.weight.data.to(device)
+    qw = quantize(weight, bits=bits, group_size=group_size, method=quantizer)
+    built = choose_kernel(qw, device, kernel)(qw, linear.weight.dtype)
+    bias = getattr(linear, "bias", None)
+    return SubstituteLinear(built, None if bias is None else bias.data.to(device), name)
