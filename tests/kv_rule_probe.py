@@ -72,8 +72,9 @@ def main(model, prompts_path, out_path):
                 return honest_propose(self, *args, **kw)
 
             SubSpecProposer.propose = propose
-            SubSpecProposer.bonus_token_metadata = audit_metadata(
-                redraft_last_accepted(honest_meta))
+            # the auditor keeps recording the true last verified position
+            SubSpecProposer.bonus_token_metadata = redraft_last_accepted(
+                audit_metadata(honest_meta))
         AUDIT.update(checks=0, violations=0)
         outs = llm.generate(prompts, params, use_tqdm=False)
         result[mode] = dict(AUDIT, token_ids=[list(o.outputs[0].token_ids) for o in outs])

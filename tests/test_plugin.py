@@ -1,0 +1,37 @@
+"""Plugin registration: found through vLLM's entry point, idempotent, gated on vLLM's version."""
+
+from importlib.metadata import entry_points
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_subspec import patches
+
+
+def test_entry_point_is_registered():
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("subspec") == "vllm_subspec.plugin:register"
+
+
+def test_vllm_loads_the_plugin():
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    assert hasattr(EngineArgs.create_speculative_config, "__subspec_original__")
+
+
+def test_apply_is_idempotent():
+    assert patches.apply_all()
+    wrapped = EngineArgs.create_speculative_config
+    assert patches.apply_all()
+    assert EngineArgs.create_speculative_config is wrapped
+    # one layer of wrapping only: the original is vLLM's own function
+    assert not hasattr(wrapped.__subspec_original__, "__subspec_original__")
+
+
+@pytest.mark.parametrize("version, ok", [
+    ("0.32.0", True), ("0.33.1", True), ("0.32.0+cpu", True),
+    ("0.31.2", False), ("0.34.0", False), ("1.0.0", False), ("dev", False),
+])
+def test_version_gate(version, ok):
+    assert patches.vllm_version_supported(version) is ok
