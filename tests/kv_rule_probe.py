@@ -36,9 +36,8 @@ def audit_metadata(method):
 
 def redraft_last_accepted(method):
     """The bug the rule forbids: re-run the last accepted token through the draft first."""
-    def wrapped(self, cad, target_positions, token_indices_to_sample, num_rejected):
-        cad, last_verified = method(self, cad, target_positions, token_indices_to_sample,
-                                    num_rejected)
+    def wrapped(self, cad, num_rejected):
+        cad, last_verified = method(self, cad, num_rejected)
         cad.seq_lens -= 1
         return cad, last_verified - 1
     return wrapped

@@ -11,6 +11,16 @@ def test_defaults_and_roundtrip():
     opts = SubSpecOptions.from_dict({})
     assert (opts.bits, opts.group_size, opts.draft_temperature) == (4, 64, 0.2)
     assert opts.substitute_layers == "offloaded"
+    # a k=6 tree by default; this suite runs on CPU, where the default depth is 16
+    assert (opts.tree_width, opts.tree_depth, opts.num_draft_tokens) == (6, 16, 96)
+    assert opts.is_tree
+
+
+def test_chain_shorthand():
+    opts = SubSpecOptions.from_dict({"num_speculative_tokens": 5})
+    assert (opts.tree_width, opts.tree_depth, opts.num_draft_tokens) == (1, 5, 5)
+    assert not opts.is_tree
+    assert SubSpecOptions.from_dict(opts.to_dict()) == opts
     again = SubSpecOptions.from_dict(json.loads(json.dumps(
         SubSpecOptions.from_dict({"substitute_layers": [3, 1]}).to_dict())))
     assert again.substitute_layers == (3, 1)
@@ -22,6 +32,11 @@ def test_defaults_and_roundtrip():
     ({"group_size": 48}, "group_size must be one of"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
+    ({"tree_width": 0}, "tree_width must be an integer in [1, 16]"),
+    ({"tree_depth": 65}, "tree_depth must be an integer in [1, 64]"),
+    ({"tree_width": 16, "tree_depth": 64}, "at most 512"),
+    ({"num_speculative_tokens": 4, "tree_depth": 8}, "num_speculative_tokens is the chain depth"),
+    ({"num_speculative_tokens": 4, "tree_width": 6}, "num_speculative_tokens is the chain depth"),
     ({"draft_temperature": 0}, "draft_temperature must be a number"),
     ({"substitute_layers": "some"}, "substitute_layers must be one of"),
     ({"substitute_layers": [1, 1]}, "duplicate"),

@@ -30,13 +30,23 @@ def sample(llm, settings):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+DRAFTERS = {
+    "chain": {"method": "subspec", "num_speculative_tokens": 3, "substitute_layers": "all"},
+    "tree": {"method": "subspec", "tree_width": 4, "tree_depth": 3, "substitute_layers": "all"},
+}
+
+
 @pytest.fixture(scope="module")
-def samples(tiny_llama):
+def plain_samples(tiny_llama):
     plain = make_llm(tiny_llama, skip_tokenizer_init=True)
-    plain_samples = {name: sample(plain, s) for name, s in SETTINGS.items()}
+    samples = {name: sample(plain, s) for name, s in SETTINGS.items()}
     shutdown(plain)
-    spec = make_llm(tiny_llama, {"method": "subspec", "num_speculative_tokens": 3,
-                                 "substitute_layers": "all"}, skip_tokenizer_init=True)
+    return samples
+
+
+@pytest.fixture(scope="module", params=list(DRAFTERS))
+def samples(request, tiny_llama, plain_samples):
+    spec = make_llm(tiny_llama, DRAFTERS[request.param], skip_tokenizer_init=True)
     spec_samples = {name: sample(spec, s) for name, s in SETTINGS.items()}
     stats = acceptance_stats(spec)
     shutdown(spec)

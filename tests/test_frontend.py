@@ -27,12 +27,22 @@ def test_subspec_becomes_draft_model_with_target_as_draft(tiny_llama):
     assert cfg.speculative_config.model == tiny_llama
     assert cfg.speculative_config.num_speculative_tokens == 5
     sub = cfg.additional_config["subspec"]
-    assert sub["substitute_layers"] == [0, 2] and sub["num_speculative_tokens"] == 5
+    assert sub["substitute_layers"] == [0, 2]
+    assert (sub["tree_width"], sub["tree_depth"]) == (1, 5)  # chain shorthand
     # V1 runner is forced, and k lookahead slots are reserved for the draft's KV.
     assert "speculative method 'subspec' (V1 runner only)" in \
         cfg._get_v2_model_runner_unsupported_features()
     assert cfg.use_v2_model_runner is False
     assert cfg.num_lookahead_tokens == 5
+
+
+def test_tree_drafts_count_as_nodes(tiny_llama):
+    cfg = engine_config(tiny_llama, {"method": "subspec", "tree_width": 3, "tree_depth": 4})
+    # vLLM verifies the tree's 4 * 3 nodes (plus the root) and reserves their KV slots
+    assert cfg.speculative_config.num_speculative_tokens == 12
+    assert cfg.num_lookahead_tokens == 12
+    sub = cfg.additional_config["subspec"]
+    assert (sub["tree_width"], sub["tree_depth"]) == (3, 4)
 
 
 def test_plain_draft_model_is_untouched(tiny_llama):

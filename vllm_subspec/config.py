@@ -34,6 +34,13 @@ _GROUP_SIZES = (32, 64, 128, 256)
 _KERNELS = ("auto", "int4_cpu", "gemlite", "reference")
 _QUANTIZERS = ("hqq", "rtn")
 MAX_DEPTH = 64
+MAX_WIDTH = 16
+MAX_TREE_NODES = 512
+DEFAULT_TREE_WIDTH = 6
+# Tree depth: the paper's 48 where the target streams its weights over PCIe (CUDA offload). On
+# the CPU backend nothing is offloaded and the tree-masked attention is a torch fallback, so a
+# 289-node verify costs far more than a decode step: 16 (97 nodes) keeps steps short.
+DEFAULT_TREE_DEPTH = {"cuda": 48, "cpu": 16}
 
 
 class SubSpecConfigError(ValueError):
@@ -45,8 +52,12 @@ class SubSpecConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SubSpecOptions:
-    num_speculative_tokens: int = 8
-    """Chain depth: draft tokens proposed per step."""
+    tree_width: int | None = None
+    """k: tree nodes kept per depth (1 = chain drafting). Default 6."""
+    tree_depth: int | None = None
+    """D: draft depth. Default 48 on CUDA, 16 on CPU (DEFAULT_TREE_DEPTH)."""
+    num_speculative_tokens: int | None = None
+    """Chain depth; shorthand for tree_width=1, tree_depth=num_speculative_tokens."""
     substitute_layers: str | tuple[int, ...] = "offloaded"
     """"offloaded" (layers vLLM's offloader put in CPU memory), "all", or layer indices."""
     bits: int = 4
@@ -58,8 +69,17 @@ class SubSpecOptions:
     quantizer: str = "hqq"
     """hqq (HQQ solver, the paper's choice) or rtn (round-to-nearest; fast, for tests)."""
 
+    @property
+    def is_tree(self) -> bool:
+        return self.tree_width > 1
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per step as vLLM counts them: the tree's nodes minus the root."""
+        return self.tree_width * self.tree_depth
+
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
         if isinstance(self.substitute_layers, tuple):
             d["substitute_layers"] = list(self.substitute_layers)
         return d
@@ -81,13 +101,34 @@ class SubSpecOptions:
             raise SubSpecConfigError("invalid speculative_config: " + "; ".join(problems))
         if isinstance(opts.substitute_layers, list):
             opts = dataclasses.replace(opts, substitute_layers=tuple(opts.substitute_layers))
-        return opts
+        return opts._resolve_shape()
+
+    def _resolve_shape(self) -> SubSpecOptions:
+        if self.num_speculative_tokens is not None:  # chain shorthand
+            return dataclasses.replace(self, tree_width=1,
+                                       tree_depth=self.num_speculative_tokens,
+                                       num_speculative_tokens=None)
+        width = DEFAULT_TREE_WIDTH if self.tree_width is None else self.tree_width
+        depth = self.tree_depth
+        if depth is None:
+            depth = DEFAULT_TREE_DEPTH["cpu" if _platform_is_cpu() else "cuda"]
+        if width * depth > MAX_TREE_NODES:
+            raise SubSpecConfigError(
+                f"invalid speculative_config: tree_width * tree_depth must be at most "
+                f"{MAX_TREE_NODES}, got {width} * {depth}")
+        return dataclasses.replace(self, tree_width=width, tree_depth=depth)
 
     def _problems(self) -> list[str]:
         p = []
-        k = self.num_speculative_tokens
-        if not _is_int(k) or not 1 <= k <= MAX_DEPTH:
-            p.append(f"num_speculative_tokens must be an integer in [1, {MAX_DEPTH}], got {k!r}")
+        for name, hi in (("num_speculative_tokens", MAX_DEPTH), ("tree_depth", MAX_DEPTH),
+                         ("tree_width", MAX_WIDTH)):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 1 <= v <= hi):
+                p.append(f"{name} must be an integer in [1, {hi}], got {v!r}")
+        if self.num_speculative_tokens is not None and (
+                self.tree_depth is not None or self.tree_width not in (None, 1)):
+            p.append("num_speculative_tokens is the chain depth (tree_width=1); for a tree give "
+                     "tree_width and tree_depth instead")
         layers = self.substitute_layers
         if isinstance(layers, (list, tuple)):
             if not all(_is_int(i) and i >= 0 for i in layers):
@@ -128,6 +169,12 @@ class SubSpecOptions:
                 f"substitute_layers {bad} out of range: the model has {num_layers} layers"
             )
         return sorted(self.substitute_layers)
+
+
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _is_int(x: Any) -> bool:

@@ -33,11 +33,18 @@ class RunResult:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
 
-def timed_generate(llm, prompts, sampling_params, spec: bool = True) -> RunResult:
-    """Generate (one sequence per prompt) and report wall time and this run's acceptance."""
+def timed_generate(llm, prompts, sampling_params, spec: bool = True,
+                   one_at_a_time: bool = False) -> RunResult:
+    """Generate (one sequence per prompt) and report wall time and this run's acceptance.
+
+    one_at_a_time: submit the prompts sequentially (a single user, as in the paper) instead of
+    as one batch."""
     before = acceptance_stats(llm) if spec else AcceptanceStats()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
+    if one_at_a_time:
+        outputs = [llm.generate([p], sampling_params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = acceptance_stats(llm) if spec else AcceptanceStats()
     return RunResult(
@@ -60,18 +67,48 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+@dataclass
+class EngineRun:
+    timed: RunResult  # the timed workload: speed and τ
+    batched: RunResult  # all prompts at once, every one to max_tokens: the identity check
+    draft_seconds: float = 0.0  # time SubSpecProposer spent drafting during the timed run
+    draft_steps: int = 0
+
+
+def _draft_timing(worker):
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return (drafter.draft_seconds, drafter.draft_calls) if drafter is not None else (0.0, 0)
+
+
 def run_engine(model: str, prompts, sampling_params, speculative_config=None,
-               **engine_kwargs) -> RunResult:
-    """Start an engine, warm it up on one prompt, time the workload, shut the engine down."""
+               one_at_a_time: bool = True, **engine_kwargs) -> EngineRun:
+    """Start an engine, warm it up, time the prompts (one at a time by default), then generate
+    them as one batch (ignore_eos) for the token-identity check, and shut the engine down.
+
+    Why two runs: on the CPU backend a decode step of one sequence (M=1 GEMV) and of several
+    (M>1 GEMM) round bf16 differently, so plain greedy decoding itself changes with the batch
+    shape. Comparing batched runs, where every step has M>1 in both engines, isolates SubSpec.
+    """
+    import os
+
     from vllm import LLM
 
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
     kwargs = dict(CPU_ENGINE_KWARGS, enforce_eager=True)
     kwargs.update(engine_kwargs)
     llm = LLM(model=model, speculative_config=speculative_config, **kwargs)
     spec = speculative_config is not None
+    timing = (lambda: llm.collective_rpc(_draft_timing)[0]) if spec else (lambda: (0.0, 0))
     try:
         timed_generate(llm, prompts[:1], sampling_params, spec=spec)
-        return timed_generate(llm, prompts, sampling_params, spec=spec)
+        before = timing()
+        timed = timed_generate(llm, prompts, sampling_params, spec=spec,
+                               one_at_a_time=one_at_a_time)
+        after = timing()
+        full = sampling_params.clone()
+        full.ignore_eos = True
+        batched = timed_generate(llm, prompts, full, spec=spec)
+        return EngineRun(timed, batched, after[0] - before[0], after[1] - before[1])
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm

@@ -75,7 +75,9 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
     vllm_spec = {
         "method": "draft_model",
         "model": target,
-        "num_speculative_tokens": options.num_speculative_tokens,
+        # vLLM sees the tree's D*k nodes as that many draft tokens: it reserves KV slots for
+        # them and schedules them for verification (see tree_verify hooks below).
+        "num_speculative_tokens": options.num_draft_tokens,
     }
     return vllm_spec, additional
 
@@ -186,17 +188,75 @@ def _patch_model_runner() -> None:
     def make(original):
         def __init__(self, vllm_config, device, *args, **kwargs):
             original(self, vllm_config, device, *args, **kwargs)
-            if options_from_vllm_config(vllm_config) is not None and hasattr(self, "drafter"):
+            options = options_from_vllm_config(vllm_config)
+            if options is not None and hasattr(self, "drafter"):
                 from vllm_subspec.proposer import SubSpecProposer
 
                 self.drafter = SubSpecProposer(vllm_config, device, runner=self)
+                if options.is_tree:  # trees are verified by sample-then-match, not vLLM's chain
+                    from vllm_subspec.verify import TreeVerifier
+
+                    self.rejection_sampler = TreeVerifier(self, self.drafter.tree_state)
 
         return __init__
 
     _wrap(GPUModelRunner, "__init__", make, "model_runner")
 
 
-# ---- 5. CPU only: vLLM bug in expand_batch_to_tokens -------------------------------------
+# ---- 5. tree verification inputs: depth-based positions, ancestor-only mask ---------------
+# Target: vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs (0.32.0 :1920). vLLM
+# lays a request's draft tokens out as a chain (slot and position L + i); after it has computed
+# the slot mapping, SubSpec rewrites the positions of tree nodes to L + depth and activates the
+# tree mask for the verify forward (`SubSpecProposer.prepare_verify`).
+def _patch_prepare_inputs() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original):
+        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+            out = original(self, scheduler_output, *args, **kwargs)
+            drafter = getattr(self, "drafter", None)
+            if getattr(getattr(drafter, "options", None), "is_tree", False):
+                drafter.prepare_verify(self, scheduler_output)
+            return out
+
+        return _prepare_inputs
+
+    _wrap(GPUModelRunner, "_prepare_inputs", make, "prepare_inputs")
+
+
+# ---- 6. tree attention inside vLLM's attention backends ---------------------------------
+# Targets: vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward (0.32.0 :344)
+# and, on CUDA, vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward. The backend
+# writes KV and computes causal attention; the rows of tree requests are then recomputed with
+# the ancestor-only mask (`tree_attention.apply_tree_attention`); a no-op without a tree plan.
+def _patch_attention_backends() -> None:
+    from vllm.platforms import current_platform
+
+    from vllm_subspec.tree_attention import apply_tree_attention
+
+    def make(original):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                    **kwargs):
+            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                              *args, **kwargs)
+            apply_tree_attention(self, layer, query, kv_cache, attn_metadata, output)
+            return result
+
+        return forward
+
+    try:
+        if current_platform.is_cpu():
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as impl
+        else:
+            from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl as impl
+    except ImportError as e:  # e.g. a platform without FlashAttention: trees unavailable
+        logger.warning("vllm-subspec: no tree attention on this platform (%s); use "
+                       "tree_width=1", e)
+        return
+    _wrap(impl, "forward", make, "attention_forward")
+
+
+# ---- 7. CPU only: vLLM bug in expand_batch_to_tokens -------------------------------------
 # Target: vllm.v1.sample.rejection_sampler.expand_batch_to_tokens (0.32.0 :581, 0.33 :648).
 # On CPU its kernel (`vllm/utils/cpu_triton_utils.py` `_expand_kernel_impl`) writes into an int64
 # *copy* of a float/int32 output and never copies back, so per-token temperature/top-k/top-p are
@@ -244,6 +304,8 @@ def apply_all() -> bool:
     _patch_force_v1_runner()
     _patch_weight_hook()
     _patch_model_runner()
+    _patch_prepare_inputs()
+    _patch_attention_backends()
     _patch_cpu_expand()
     logger.debug("vllm-subspec patches applied in pid %d", os.getpid())
     return True

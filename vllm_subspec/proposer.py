@@ -6,19 +6,25 @@ its own KV into the same cache. What keeps that lossless:
 * each step's first draft pass processes only the bonus/correction token (at position p+1, p being
   the last verified position), never an already-accepted token: vLLM's own draft-model first pass
   re-runs every verified token and would overwrite their verified KV with draft KV;
-* draft KV therefore lands only at positions p+1 .. p+k, inside the blocks vLLM reserved for
-  lookahead (`num_lookahead_tokens = k`), and the next verify pass rewrites exactly those
-  positions before it reads them (vLLM writes a layer's KV before computing its attention).
+* draft KV therefore lands only in slots past p, inside the blocks vLLM reserved for lookahead
+  (`num_lookahead_tokens` = draft tokens per step), and the next verify pass rewrites exactly
+  those slots before it reads them (vLLM writes a layer's KV before computing its attention).
 
-Drafting is a chain: argmax of the draft distribution (sharpening by `draft_temperature` does
-not change an argmax). Verification is vLLM's rejection sampler with token ids only (a point-mass
-draft), which is lossless for greedy and sampled requests alike.
+Chain (tree_width 1): argmax drafting (sharpening does not change an argmax), verified by vLLM's
+rejection sampler with token ids only, which is lossless for greedy and sampled requests alike.
+
+Tree (tree_width k > 1): the root pass over the bonus token, then D-1 passes over the k frontier
+nodes with an ancestor-only mask (`tree_attention`), keeping the global top-k by cumulative
+sharpened log-probability (`tree.TreeBatch`). vLLM schedules the D*k nodes as draft tokens;
+`prepare_verify` gives them depth-based positions and the tree mask, `verify.TreeVerifier`
+walks the tree, and the next `propose` moves the accepted path's KV to contiguous slots.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 from torch import nn
@@ -27,8 +33,11 @@ from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
+from vllm_subspec import tree_attention
 from vllm_subspec.config import options_from_vllm_config
 from vllm_subspec.draft_model import DraftModel, SubstituteSet, decoder_layers
+from vllm_subspec.tree import StoredTree, TreeBatch, TreeShape, TreeState, sharpened_log_probs
+from vllm_subspec.tree_attention import TreePlan, TreeRows
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +46,11 @@ class SubSpecProposer(DraftModelProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.options = options_from_vllm_config(vllm_config)
+        self.runner = runner
+        self.tree_shape = TreeShape(self.options.tree_width, self.options.tree_depth)
+        self.tree_state = TreeState()
+        self.draft_seconds = 0.0  # wall time spent drafting (benchmarks read it over RPC)
+        self.draft_calls = 0
 
     # ---- loading -------------------------------------------------------------------------
     def load_model(self, target_model: nn.Module) -> None:
@@ -66,7 +80,11 @@ class SubSpecProposer(DraftModelProposer):
                   is_graph_capturing: bool = False, slot_mappings=None) -> None:
         if is_graph_capturing:
             return
-        super().dummy_run(num_tokens, use_cudagraphs=False, slot_mappings=slot_mappings)
+        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                 slot_mapping=self._get_slot_mapping(num_tokens)):
+            self.model(input_ids=self.input_ids[:num_tokens],
+                       positions=self.positions[:num_tokens])
 
     # ---- drafting ------------------------------------------------------------------------
     def propose(
@@ -83,52 +101,39 @@ class SubSpecProposer(DraftModelProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
     ) -> torch.Tensor:
+        tree_attention.set_plan(None)  # the verify forward is over
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
-        cad = common_attn_metadata
-        batch_size = cad.batch_size()
+        batch_size = common_attn_metadata.batch_size()
         if num_speculative_tokens == 0:
             return torch.empty(batch_size, 0, dtype=torch.int64, device=next_token_ids.device)
+        start = time.perf_counter()
+        cad, last_verified = self.bonus_token_metadata(common_attn_metadata,
+                                                       num_rejected_tokens_gpu)
+        if self.options.is_tree:
+            self.compact_accepted_paths(cad, last_verified)
+            drafts = self.draft_tree(cad, last_verified, next_token_ids)
+        else:
+            drafts = self.draft_chain(cad, last_verified, next_token_ids, num_speculative_tokens)
+        if drafts.is_cuda:
+            torch.cuda.synchronize()
+        self.draft_seconds += time.perf_counter() - start
+        self.draft_calls += 1
+        return drafts
 
-        cad, last_verified = self.bonus_token_metadata(
-            cad, target_positions, token_indices_to_sample, num_rejected_tokens_gpu)
-        input_ids = next_token_ids
-        positions = last_verified
-        drafts = []
-        for step in range(num_speculative_tokens):
-            # positions <- positions + 1, slot mapping for them, seq_lens += 1 (vLLM's helper).
-            positions = self._update_positions_dependent_metadata(
-                positions, cad, batch_size, batch_size, self.block_size)
-            _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
-                cad, draft_index=step)
-            self.input_ids[:batch_size] = input_ids
-            with set_forward_context(
-                per_layer_metadata,
-                self.vllm_config,
-                num_tokens=batch_size,
-                cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                slot_mapping=self._get_slot_mapping(batch_size),
-            ):
-                hidden = self.model(input_ids=self.input_ids[:batch_size],
-                                    positions=self._get_positions(batch_size))
-            input_ids = self.model.compute_logits(hidden).argmax(dim=-1)
-            drafts.append(input_ids)
-        return torch.stack(drafts, dim=1)
-
-    def bonus_token_metadata(self, cad, target_positions, token_indices_to_sample,
-                             num_rejected_tokens_gpu):
+    def bonus_token_metadata(self, cad, num_rejected_tokens_gpu):
         """Decode-shaped metadata whose seq_lens end at the last verified token.
 
         Returns (metadata, last_verified_positions). The first draft step advances both by one,
-        so it processes exactly the bonus token at p+1 and writes KV only there.
+        so it processes exactly the bonus token at p+1 and writes KV only there. Rejected draft
+        tokens are dropped from seq_lens; what is left ends at the last verified token, for a
+        chain and for a tree alike (a tree's accepted path is compacted to follow the root).
         """
         batch_size = cad.batch_size()
-        if token_indices_to_sample is None:  # no drafts were verified: last scheduled token
-            token_indices_to_sample = cad.query_start_loc[1:batch_size + 1] - 1
-        last_verified = target_positions[token_indices_to_sample.long()].to(torch.int64)
         seq_lens = cad.seq_lens.clone()
         if num_rejected_tokens_gpu is not None:
             seq_lens -= num_rejected_tokens_gpu.to(seq_lens.dtype)
+        last_verified = (seq_lens - 1).to(torch.int64)
         upper = cad.seq_lens_cpu_upper_bound
         decode_cad = dataclasses.replace(
             cad,
@@ -145,3 +150,139 @@ class SubSpecProposer(DraftModelProposer):
             max_logits_per_req=None,
         )
         return decode_cad, last_verified
+
+    def _forward_logits(self, cad, input_ids: torch.Tensor, draft_index: int) -> torch.Tensor:
+        """One draft forward over cad's tokens (positions already in self.positions)."""
+        num_tokens = cad.num_actual_tokens
+        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
+            cad, draft_index=draft_index)
+        self.input_ids[:num_tokens] = input_ids
+        with set_forward_context(
+            per_layer_metadata,
+            self.vllm_config,
+            num_tokens=num_tokens,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            slot_mapping=self._get_slot_mapping(num_tokens, cad.slot_mapping),
+        ):
+            hidden = self.model(input_ids=self.input_ids[:num_tokens],
+                                positions=self.positions[:num_tokens])
+        return self.model.compute_logits(hidden)
+
+    def _advance_one(self, positions, cad):
+        """positions += 1, their slots, seq_lens += 1 (vLLM's helper; clamps at max_model_len)."""
+        b = cad.batch_size()
+        return self._update_positions_dependent_metadata(positions, cad, b, b, self.block_size)
+
+    def draft_chain(self, cad, last_verified, next_token_ids, depth: int) -> torch.Tensor:
+        input_ids, positions, drafts = next_token_ids, last_verified, []
+        for step in range(depth):
+            positions = self._advance_one(positions, cad)
+            input_ids = self._forward_logits(cad, input_ids, step).argmax(dim=-1)
+            drafts.append(input_ids)
+        return torch.stack(drafts, dim=1)
+
+    def draft_tree(self, cad, last_verified, next_token_ids) -> torch.Tensor:
+        shape, k = self.tree_shape, self.tree_shape.width
+        batch_size = cad.batch_size()
+        temperature = self.options.draft_temperature
+        root_pos = self._advance_one(last_verified, cad).clone()  # the bonus token: L
+        logits = self._forward_logits(cad, next_token_ids, 0)
+        tree = TreeBatch(shape, next_token_ids.to(torch.int64))
+        tree.grow(sharpened_log_probs(logits, temperature))
+        dev = root_pos.device
+        arange_k = torch.arange(k, device=dev)
+        block_table = cad.block_table_tensor[:batch_size]
+        for d in range(1, shape.depth):
+            level = shape.level(d)
+            # stop before any node of the next level would pass max_model_len
+            if int(root_pos.max()) + (d + 1) * k >= self.max_model_len:
+                tree.truncate()
+                break
+            logical = root_pos[:, None] + level.start + arange_k  # node slots L + i
+            bs = self.block_size
+            slots = (block_table.gather(1, logical // bs).to(torch.int64) * bs + logical % bs)
+            n = batch_size * k
+            self.positions[:n] = (root_pos[:, None] + d).expand(-1, k).reshape(-1)
+            step_cad = dataclasses.replace(
+                cad,
+                query_start_loc=self.arange[: batch_size + 1] * k,
+                query_start_loc_cpu=torch.from_numpy(
+                    self.token_arange_np[: batch_size + 1] * k).clone(),
+                seq_lens=(root_pos + 1 + d * k).to(cad.seq_lens.dtype),
+                num_actual_tokens=n,
+                max_query_len=k,
+                max_seq_len=min(cad.max_seq_len + d * k, self.max_model_len),
+                slot_mapping=slots.reshape(-1),
+                seq_lens_cpu_upper_bound=None,
+            )
+            tree_attention.set_plan(TreePlan([
+                TreeRows(i, i * k, int(root_pos[i]), tree.mask[i, level, : level.stop])
+                for i in range(batch_size)]))
+            try:
+                logits = self._forward_logits(step_cad, tree.frontier_tokens().reshape(-1), d)
+            finally:
+                tree_attention.set_plan(None)
+            tree.grow(sharpened_log_probs(logits, temperature).view(batch_size, k, -1))
+        self._store_trees(tree, batch_size)
+        return tree.tokens[:, 1:]
+
+    def _store_trees(self, tree: TreeBatch, batch_size: int) -> None:
+        req_ids = self.runner.input_batch.req_ids[:batch_size]
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        self.tree_state.trees = {
+            rid: StoredTree(tokens[i], parents[i], tree.mask[i]) for i, rid in enumerate(req_ids)
+        }
+
+    # ---- verification hooks --------------------------------------------------------------
+    def prepare_verify(self, runner, scheduler_output) -> None:
+        """After vLLM prepared the verify inputs: depth-based positions and the tree mask.
+
+        vLLM laid the root and the scheduled nodes out as a chain: node i in slot L + i (kept:
+        slots follow node order) at position L + i (replaced by L + depth(i)).
+        """
+        tree_attention.set_plan(None)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec:
+            return
+        batch = runner.input_batch
+        depths = self.tree_shape.depths()
+        rows = []
+        for i, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
+            n = len(spec.get(req_id, ()))
+            stored = self.tree_state.trees.get(req_id)
+            if n == 0 or stored is None:
+                continue
+            q0 = int(runner.query_start_loc.np[i])
+            root = int(batch.num_computed_tokens_cpu[i])
+            runner.positions[q0 + 1: q0 + 1 + n] = (root + depths[1: n + 1]).to(
+                runner.positions.device)
+            rows.append(TreeRows(i, q0, root, stored.mask[: n + 1, : n + 1]))
+        tree_attention.set_plan(TreePlan(rows))
+
+    def compact_accepted_paths(self, cad, last_verified) -> None:
+        """Move each accepted path's KV (slots L + a_j) to slots L + j, j = 1..m."""
+        accepted, self.tree_state.accepted = self.tree_state.accepted, {}
+        if not accepted:
+            return
+        kv_caches = None
+        for i, req_id in enumerate(self.runner.input_batch.req_ids[: cad.batch_size()]):
+            path = accepted.get(req_id)
+            if not path:
+                continue
+            root = int(last_verified[i]) - len(path)
+            src = root + torch.tensor(path, dtype=torch.int64)
+            dst = root + torch.arange(1, len(path) + 1, dtype=torch.int64)
+            if torch.equal(src, dst):
+                continue
+            if kv_caches is None:
+                kv_caches = self._kv_caches()
+            row = cad.block_table_tensor[i]
+            tree_attention.move_kv(kv_caches, row, src.to(row.device), dst.to(row.device))
+
+    def _kv_caches(self) -> list[torch.Tensor]:
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        caches = []
+        for name in sorted(self._draft_attn_layer_names):
+            kv = ctx[name].kv_cache
+            caches.append(kv[0] if isinstance(kv, (list, tuple)) else kv)
+        return caches

@@ -1,0 +1,90 @@
+"""Deep dynamic trees (k = 6) with tree verification: greedy output equals the plain engine's.
+
+fp32 engines: the tree rows' attention is recomputed in torch (ancestor-only mask), which rounds
+like the CPU kernel only to within 1 bf16 ulp, and bf16 logits tie often enough for that to flip
+a greedy argmax now and then. In fp32 the same engines are token-identical; chain mode, which
+needs no tree attention, is checked bit-exact in bf16 by test_e2e_greedy.py.
+"""
+
+import pytest
+from conftest import make_llm, shutdown
+from vllm import SamplingParams
+
+from vllm_subspec.assets import chat_prompts, mt_bench_prompts
+from vllm_subspec.harness import first_divergence, timed_generate
+from vllm_subspec.metrics import acceptance_stats
+
+pytestmark = pytest.mark.e2e
+
+NUM_PROMPTS, NEW_TOKENS = 10, 128
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+FP32 = dict(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    return chat_prompts(smollm2, mt_bench_prompts(NUM_PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2, prompts):
+    llm = make_llm(smollm2, **FP32)
+    result = timed_generate(llm, prompts, GREEDY, spec=False)
+    shutdown(llm)
+    return result
+
+
+def assert_identical(spec_ids, plain_ids):
+    bad = {i: first_divergence(a, b) for i, (a, b) in enumerate(zip(spec_ids, plain_ids))
+           if a != b}
+    assert not bad, f"prompt -> first divergent token: {bad}"
+
+
+@pytest.mark.parametrize("depth", [8, 16])
+def test_tree_greedy_identical(smollm2, prompts, plain, depth):
+    llm = make_llm(smollm2, {"method": "subspec", "tree_width": 6, "tree_depth": depth,
+                             "substitute_layers": "all"}, **FP32)
+    try:
+        result = timed_generate(llm, prompts, GREEDY)
+    finally:
+        shutdown(llm)
+    assert all(len(t) == NEW_TOKENS for t in result.token_ids)
+    assert_identical(result.token_ids, plain.token_ids)
+    stats = result.stats
+    # vLLM counts the tree's 6 * depth nodes as draft tokens; accepted ones form one path
+    assert stats.num_draft_tokens == stats.num_drafts * 6 * depth
+    assert 3.0 < stats.tau <= depth + 1
+    per_depth = stats.accepted_per_position[:depth]
+    assert per_depth == sorted(per_depth, reverse=True)  # acceptance is a path from the root
+    assert all(a == 0 for a in stats.accepted_per_position[depth:])
+
+
+def test_tree_with_prefills_preemption_and_prefix_cache(smollm2):
+    """Staggered lengths (prefills join running decodes), a KV cache too small for every request
+    at once (preemption), and a shared system prompt (prefix-cache hits)."""
+    system = ("You are a meticulous assistant. Answer in plain English, in full sentences, "
+              "and never use lists. ") * 4
+    questions = mt_bench_prompts(8)
+    prompts = chat_prompts(smollm2, [system + q for q in questions])
+    params = [SamplingParams(temperature=0.0, max_tokens=48 + 12 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    settings = dict(FP32, max_num_seqs=6, kv_cache_memory_bytes=48 * 2**20,
+                    max_num_batched_tokens=512)
+
+    def run(spec):
+        llm = make_llm(smollm2, spec, **settings)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+            return [list(o.outputs[0].token_ids) for o in outs], metrics, \
+                acceptance_stats(llm) if spec else None
+        finally:
+            shutdown(llm)
+
+    plain_ids, _, _ = run(None)
+    spec_ids, metrics, stats = run({"method": "subspec", "tree_width": 6, "tree_depth": 8,
+                                    "substitute_layers": "all"})
+    assert_identical(spec_ids, plain_ids)
+    assert metrics["vllm:num_preemptions"] > 0
+    assert metrics["vllm:prefix_cache_hits"] > 0
+    assert stats.tau > 3.0

@@ -1,0 +1,170 @@
+"""Tree builder and verifier on hand-made trees: growth, masks, positions, the walk, compaction."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_subspec.tree import TreeBatch, TreeShape, accepted_path, sharpened_log_probs
+from vllm_subspec.tree_attention import (
+    CpuVecLayout,
+    TreeRows,
+    check_cpu_layout,
+    move_kv,
+    tree_attention_rows,
+)
+
+
+def test_shape_levels_and_depths():
+    s = TreeShape(width=3, depth=2)
+    assert s.num_nodes == 7
+    assert s.depths().tolist() == [0, 1, 1, 1, 2, 2, 2]
+    assert s.level(1) == slice(1, 4) and s.level(2) == slice(4, 7)
+
+
+def log_q(rows):
+    """Log-probabilities from explicit probability rows (vocabulary 5)."""
+    return torch.tensor(rows, dtype=torch.float32).log()
+
+
+def test_global_top_k_over_the_frontier():
+    shape = TreeShape(width=2, depth=2)
+    tree = TreeBatch(shape, torch.tensor([7]))
+    tree.grow(log_q([[0.1, 0.5, 0.3, 0.05, 0.05]]))  # root -> tokens 1 (0.5), 2 (0.3)
+    assert tree.tokens[0, 1:3].tolist() == [1, 2]
+    assert tree.parents[0, 1:3].tolist() == [0, 0]
+    # children of node 1 (score .5) and node 2 (score .3)
+    tree.grow(log_q([[[0.2, 0.2, 0.2, 0.2, 0.2],        # best .5*.2 = .10
+                      [0.01, 0.01, 0.01, 0.01, 0.96]]]))  # .3*.96 = .288, .3*.01
+    # global top-2: (node 2, token 4) = .288, then one of node 1's .10 children
+    assert tree.tokens[0, 3].item() == 4 and tree.parents[0, 3].item() == 2
+    assert tree.parents[0, 4].item() == 1
+    assert tree.scores[0, 3].item() == pytest.approx(math.log(0.3 * 0.96), rel=1e-5)
+    # node 4 may have several children of one parent, node 1 none from node 2: not a beam
+    mask = tree.mask[0].int().tolist()
+    assert mask[3] == [1, 0, 1, 1, 0]  # node 3: root, its parent 2, itself
+    assert mask[4] == [1, 1, 0, 0, 1]
+    assert mask[0] == [1, 0, 0, 0, 0]
+
+
+def test_scores_do_not_underflow_over_deep_trees():
+    shape = TreeShape(width=2, depth=48)
+    tree = TreeBatch(shape, torch.tensor([0, 0]))
+    probs = torch.full((2, 5), 0.2)
+    tree.grow(probs.log())
+    for _ in range(47):
+        tree.grow(torch.full((2, 2, 5), 0.2).log())
+    assert torch.isfinite(tree.scores).all()
+    assert tree.scores[0, -1].item() == pytest.approx(48 * math.log(0.2), rel=1e-4)
+
+
+def test_sharpening_keeps_order_and_concentrates_mass():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    plain, sharp = sharpened_log_probs(logits, 1.0).exp(), sharpened_log_probs(logits, 0.2).exp()
+    assert sharp.argmax() == plain.argmax() == 2
+    assert sharp[0, 2] > plain[0, 2]
+
+
+def test_truncated_levels_are_unreachable():
+    tree = TreeBatch(TreeShape(width=2, depth=3), torch.tensor([1]))
+    tree.grow(log_q([[0.1, 0.5, 0.3, 0.05, 0.05]]))
+    tree.truncate()
+    assert tree.parents[0, 3:].tolist() == [-1] * 4
+    assert tree.mask[0, 3:].sum(-1).tolist() == [1] * 4
+
+
+# root 0; depth 1: nodes 1 (tok 5), 2 (tok 6); depth 2: 3 (tok 7, parent 1), 4 (tok 8, parent 1)
+TOKENS = [9, 5, 6, 7, 8]
+PARENTS = [-1, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("target, path", [
+    ([6, 0, 0, 0, 0], [2]),          # root draw 6 -> node 2, a leaf: bonus drawn there
+    ([5, 8, 0, 0, 0], [1, 4]),       # 5 -> node 1, 8 -> node 4 (leaf)
+    ([5, 3, 0, 0, 0], [1]),          # 5 -> node 1; draw 3 is no child: bonus 3
+    ([4, 0, 0, 0, 0], []),           # no match at the root
+])
+def test_sample_then_match_walk(target, path):
+    assert accepted_path(TOKENS, PARENTS, target) == path
+    emitted = [target[0]] + [target[a] for a in path]
+    assert len(emitted) == len(path) + 1
+
+
+def test_walk_ignores_dead_nodes():
+    assert accepted_path([9, 5, 0], [-1, 0, -1], [5, 0, 0]) == [1]
+
+
+# ---- tree attention and KV compaction on vLLM's CPU cache layout -------------------------
+BS, HEADS, KV_HEADS, D = 16, 4, 2, 64
+
+
+def write_cache(kv, keys, values, slots):
+    from vllm import _custom_ops as ops
+
+    kc, vc = kv.view(kv.shape[0], KV_HEADS, 2 * BS, D).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, "vec16", k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype="auto")
+
+
+@pytest.fixture
+def cache():
+    torch.manual_seed(0)
+    kv = torch.zeros(6, KV_HEADS, BS, 2 * D, dtype=torch.bfloat16)
+    block_table = torch.tensor([4, 1, 5, 0], dtype=torch.int32)  # logical block -> physical
+    n = 40
+    keys = torch.randn(n, KV_HEADS, D, dtype=torch.bfloat16)
+    values = torch.randn(n, KV_HEADS, D, dtype=torch.bfloat16)
+    logical = torch.arange(n)
+    slots = block_table[logical // BS].long() * BS + logical % BS
+    write_cache(kv, keys, values, slots)
+    return kv, block_table, keys, values
+
+
+def test_cpu_layout_matches_vllm_writer():
+    check_cpu_layout("vec16", D, BS, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cannot read the CPU KV cache layout"):
+        check_cpu_layout("amx", D, BS, torch.bfloat16)
+
+
+def test_tree_attention_equals_dense_masked_attention(cache):
+    kv, block_table, keys, values = cache
+    prefix, m = 30, 7  # tree slots 30..36: root + nodes 1..6 of a k=3, D=2 tree
+    tree = TreeBatch(TreeShape(3, 2), torch.tensor([0]))
+    tree.grow(torch.randn(1, 11).log_softmax(-1))
+    tree.grow(torch.randn(1, 3, 11).log_softmax(-1))
+    mask = tree.mask[0]
+    q = torch.randn(m, HEADS, D, dtype=torch.bfloat16)
+    out = tree_attention_rows(q, CpuVecLayout(kv), block_table, TreeRows(0, 0, prefix, mask), 0.125)
+    # reference: plain softmax attention over the visible positions of each row
+    k_all = keys[: prefix + m].float().repeat_interleave(2, dim=1)
+    v_all = values[: prefix + m].float().repeat_interleave(2, dim=1)
+    for row in range(m):
+        visible = list(range(prefix)) + [prefix + j for j in range(m) if mask[row, j]]
+        s = torch.einsum("hd,thd->ht", q[row].float(), k_all[visible]) * 0.125
+        ref = torch.einsum("ht,thd->hd", s.softmax(-1), v_all[visible])
+        torch.testing.assert_close(out[row].float(), ref, atol=2e-2, rtol=2e-2)
+    # a node only sees its ancestors: changing a non-ancestor's KV leaves its row unchanged
+    other = [j for j in range(m) if not mask[5, j]][0]
+    kv2 = kv.clone()
+    write_cache(kv2, torch.randn(1, KV_HEADS, D, dtype=torch.bfloat16),
+                torch.randn(1, KV_HEADS, D, dtype=torch.bfloat16),
+                torch.tensor([int(block_table[(prefix + other) // BS]) * BS
+                              + (prefix + other) % BS]))
+    out2 = tree_attention_rows(q, CpuVecLayout(kv2), block_table, TreeRows(0, 0, prefix, mask),
+                               0.125)
+    assert torch.equal(out2[5], out[5])
+
+
+def test_kv_compaction_moves_the_accepted_path(cache):
+    kv, block_table, keys, values = cache
+    root = 20
+    path = [2, 5, 11]  # accepted nodes at logical 22, 25, 31 (across a block boundary)
+    move_kv([kv], block_table, root + torch.tensor(path), root + torch.arange(1, 4))
+    layout = CpuVecLayout(kv)
+    logical = torch.arange(root, root + 4)
+    k, v = layout.gather(block_table[logical // BS].long() * BS + logical % BS)
+    src = [root] + [root + a for a in path]
+    assert torch.equal(k, keys[src]) and torch.equal(v, values[src])
+    # untouched prefix
+    k0, _ = layout.gather(block_table[torch.arange(5) // BS].long() * BS + torch.arange(5) % BS)
+    assert torch.equal(k0, keys[:5])

@@ -1,0 +1,141 @@
+"""Dynamic draft trees: layout, growth by global top-k, ancestor masks, the accepted path.
+
+A tree of depth D and width k has n = 1 + D*k nodes numbered level by level: the root 0 (the
+bonus token of the last step), depth d holds nodes (d-1)*k+1 .. d*k. Node i lives in KV slot
+L + i of its request (L = the root's position) and is computed at RoPE position L + depth(i):
+slots are not positions. Depth-D nodes are produced by the draft but never forwarded by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    width: int  # k: nodes kept per depth
+    depth: int  # D
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 + self.depth * self.width
+
+    def depths(self, device=None) -> torch.Tensor:
+        """depth of every node, [n] int64 (root 0)."""
+        d = torch.arange(self.num_nodes, device=device)
+        return torch.where(d == 0, 0, (d - 1) // self.width + 1)
+
+    def level(self, d: int) -> slice:
+        """Node indices at depth d >= 1."""
+        return slice((d - 1) * self.width + 1, d * self.width + 1)
+
+
+class TreeBatch:
+    """The trees of a batch of requests, grown one depth at a time on the device.
+
+    tokens [B, n], parents [B, n] (root: -1), log-scores [B, n] (sum of log q along the path,
+    fp32: the product of 48 probabilities underflows in fp16), and the ancestor-or-self mask
+    [B, n, n] kept incrementally (a node copies its parent's row and adds itself).
+    """
+
+    def __init__(self, shape: TreeShape, root_tokens: torch.Tensor):
+        b, n = root_tokens.shape[0], shape.num_nodes
+        dev = root_tokens.device
+        self.shape = shape
+        self.tokens = torch.zeros(b, n, dtype=torch.int64, device=dev)
+        self.tokens[:, 0] = root_tokens
+        self.parents = torch.full((b, n), -1, dtype=torch.int64, device=dev)
+        self.scores = torch.zeros(b, n, dtype=torch.float32, device=dev)
+        self.mask = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
+        self.mask[:, 0, 0] = True
+        self.grown = 0  # depths filled so far
+
+    def grow(self, log_q: torch.Tensor) -> None:
+        """Add the next depth from the draft's log-probabilities at the current frontier.
+
+        log_q: [B, V] at the root for depth 1, else [B, k, V] at the k frontier nodes. Keeps the
+        global top-k of score(parent) + log q(token | parent) over all k*V candidates.
+        """
+        k = self.shape.width
+        d = self.grown + 1
+        if d == 1:
+            assert log_q.dim() == 2
+            cand = log_q.float()
+            parent_nodes = torch.zeros(log_q.shape[0], 1, dtype=torch.int64, device=log_q.device)
+        else:
+            frontier = self.shape.level(d - 1)
+            cand = (self.scores[:, frontier].unsqueeze(-1) + log_q.float()).flatten(1)
+            parent_nodes = torch.arange(frontier.start, frontier.stop, device=log_q.device)
+            parent_nodes = parent_nodes.expand(log_q.shape[0], -1)
+        vocab = log_q.shape[-1]
+        top, flat = cand.topk(k, dim=-1)  # sorted: best first
+        parent = parent_nodes.gather(1, torch.div(flat, vocab, rounding_mode="floor"))
+        level = self.shape.level(d)
+        self.tokens[:, level] = flat % vocab
+        self.parents[:, level] = parent
+        self.scores[:, level] = top
+        rows = self.mask.gather(1, parent.unsqueeze(-1).expand(-1, -1, self.shape.num_nodes))
+        ids = torch.arange(level.start, level.stop, device=log_q.device)
+        rows[:, torch.arange(k), ids] = True
+        self.mask[:, level] = rows
+        self.grown = d
+
+    def truncate(self) -> None:
+        """Leave the remaining depths as dead nodes (no parent: never accepted)."""
+        for d in range(self.grown + 1, self.shape.depth + 1):
+            ids = torch.arange(self.shape.level(d).start, self.shape.level(d).stop,
+                               device=self.mask.device)
+            self.mask[:, ids, ids] = True
+        self.grown = self.shape.depth
+
+    def frontier_tokens(self) -> torch.Tensor:
+        """[B, k] tokens at the deepest grown level."""
+        return self.tokens[:, self.shape.level(self.grown)]
+
+
+def sharpened_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T_d): the draft distribution that scores the tree (never verifies)."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def accepted_path(tokens: list[int], parents: list[int], target: list[int]) -> list[int]:
+    """Sample-then-match walk over one tree. Returns the accepted node indices (root excluded).
+
+    target[i] is the target's token drawn at node i (argmax when greedy): from the root, move to
+    the child whose token equals the draw at the current node, while there is one. The emitted
+    tokens are target[a] for a in [0] + path: the draws along the path, the last being the bonus.
+    """
+    children: dict[int, dict[int, int]] = {}
+    for i in range(1, len(tokens)):
+        # keep the first (highest-scored) child per token; a duplicate could never be reached
+        children.setdefault(parents[i], {}).setdefault(tokens[i], i)
+    path, cur = [], 0
+    while True:
+        nxt = children.get(cur, {}).get(target[cur])
+        if nxt is None:
+            return path
+        path.append(nxt)
+        cur = nxt
+
+
+@dataclass
+class StoredTree:
+    """A request's drafted tree, kept until the target has verified it."""
+
+    tokens: list[int]
+    parents: list[int]
+    mask: torch.Tensor  # [n, n] ancestor-or-self
+
+
+@dataclass
+class TreeState:
+    """What the proposer and the verifier share, keyed by request id."""
+
+    trees: dict = None  # req_id -> StoredTree drafted last step
+    accepted: dict = None  # req_id -> accepted node indices (root excluded), from the verifier
+
+    def __post_init__(self):
+        self.trees = {} if self.trees is None else self.trees
+        self.accepted = {} if self.accepted is None else self.accepted

@@ -1,0 +1,194 @@
+"""Ancestor-only attention for tree tokens, on top of vLLM's paged KV cache.
+
+vLLM 0.32 has no tree attention (removed in PR #42121), so SubSpec adds it around the backend's
+own `forward`: the backend writes the KV of the step and computes ordinary causal attention for
+every row; then, for the rows of tree requests listed in the active `TreePlan`, the output is
+recomputed with the right mask: the whole prefix [0, L) plus the node's ancestors and itself.
+Rows of other requests (prefills, plain decodes) are left exactly as the backend computed them.
+
+The recomputation gathers K/V from the paged cache with torch (SDPA with a boolean mask). The
+cache layout is backend specific (`PagedKVLayout`): the CPU backend stores each block's keys
+transposed ([head_dim, block_size]) for its "vec"/"vec16" kernels, which is verified against the
+backend's own writer (`check_cpu_layout`) before first use; AMX layouts are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TreeRows:
+    """One request's tree rows in the current forward."""
+
+    req_index: int  # row of the request in the attention metadata's block table
+    q_start: int  # first query row of the request in this forward
+    prefix_len: int  # L: logical positions [0, L) are visible to every row
+    tree_mask: torch.Tensor  # [q_len, m] bool over logical positions L .. L + m - 1
+
+
+@dataclass
+class TreePlan:
+    rows: list[TreeRows] = field(default_factory=list)
+
+
+_ACTIVE: TreePlan | None = None
+
+
+def set_plan(plan: TreePlan | None) -> None:
+    global _ACTIVE
+    _ACTIVE = plan if plan is not None and plan.rows else None
+
+
+def active_plan() -> TreePlan | None:
+    return _ACTIVE
+
+
+class CpuVecLayout:
+    """vLLM CPU backend, ISA vec/vec16: kv_cache [num_blocks, kv_heads, block, 2*head_dim]
+    holding per block and head the keys transposed ([head_dim, block]) then the values
+    ([block, head_dim])."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        nb, h, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        parts = kv_cache.view(nb, h, 2, bs * d)
+        self.keys_t = parts[:, :, 0].view(nb, h, d, bs)
+        self.values = parts[:, :, 1].view(nb, h, bs, d)
+        self.block_size = bs
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at absolute slots -> [T, kv_heads, head_dim] each."""
+        blk, off = slots // self.block_size, slots % self.block_size
+        k = self.keys_t[blk, :, :, off]  # [T, H, d]
+        v = self.values[blk, :, off, :]
+        return k, v
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots src to slots dst (all sources read before any write)."""
+        k, v = self.gather(src)
+        blk, off = dst // self.block_size, dst % self.block_size
+        self.keys_t[blk, :, :, off] = k
+        self.values[blk, :, off, :] = v
+
+
+class CudaFlashLayout:
+    """vLLM FlashAttention/FlashInfer (NHD): kv_cache [2, num_blocks, block, kv_heads, head_dim]."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        self.keys, self.values = kv_cache.unbind(0)
+        self.block_size = kv_cache.shape[2]
+
+    def gather(self, slots):
+        blk, off = slots // self.block_size, slots % self.block_size
+        return self.keys[blk, off], self.values[blk, off]
+
+    def move(self, src, dst):
+        k, v = self.gather(src)
+        blk, off = dst // self.block_size, dst % self.block_size
+        self.keys[blk, off] = k
+        self.values[blk, off] = v
+
+
+def layout_for(kv_cache: torch.Tensor):
+    if kv_cache.device.type == "cpu":
+        return CpuVecLayout(kv_cache)
+    return CudaFlashLayout(kv_cache)
+
+
+_CPU_LAYOUT_CHECKED: dict[str, bool] = {}
+
+
+def check_cpu_layout(isa: str, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    """Write random K/V with the CPU backend's own kernel and read them back."""
+    key = f"{isa}/{head_dim}/{block_size}/{dtype}"
+    if key in _CPU_LAYOUT_CHECKED:
+        return
+    from vllm import _custom_ops as ops
+
+    ok = False
+    if isa in ("vec", "vec16"):
+        h, t = 2, block_size + 3
+        kv = torch.zeros(3, h, block_size, 2 * head_dim, dtype=dtype)
+        kc, vc = kv.view(3, h, 2 * block_size, head_dim).chunk(2, dim=2)
+        k, v = torch.randn(t, h, head_dim, dtype=dtype), torch.randn(t, h, head_dim, dtype=dtype)
+        slots = torch.arange(t, dtype=torch.int64) + 1
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+        gk, gv = CpuVecLayout(kv).gather(slots)
+        ok = torch.equal(gk, k) and torch.equal(gv, v)
+    _CPU_LAYOUT_CHECKED[key] = ok
+    if not ok:
+        raise RuntimeError(
+            f"vllm-subspec: tree attention cannot read the CPU KV cache layout of ISA {isa!r} "
+            "(supported: vec, vec16); use tree_width=1 (chain drafting) on this CPU")
+
+
+def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
+                        scale: float) -> torch.Tensor:
+    """Attention output [q_len, heads, head_dim] for one request's tree rows.
+
+    Row r sees the prefix [0, L) and the tree slots its mask allows (its ancestors and itself).
+    Scores against the prefix and against the tree slots are two batched matmuls over all rows;
+    masked tree slots get -inf, so they add exact zeros. Computed in fp32: on the CPU backend this
+    reproduces the kernel's decode output to within 1 bf16 ulp (identical on short contexts).
+    """
+    q_len, m = rows.tree_mask.shape
+    dev = query.device
+    bs = layout.block_size
+    to_slots = lambda logical: block_table[logical // bs].to(torch.int64) * bs + logical % bs  # noqa: E731
+    q = query[rows.q_start: rows.q_start + q_len].float()  # [q_len, heads, d]
+    groups = q.shape[1] // layout_kv_heads(layout)
+    logical = torch.arange(rows.prefix_len + m, device=dev)
+    k, v = layout.gather(to_slots(logical))  # [L + m, kv_heads, d]
+    k = k.float().repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, L + m, d]
+    v = v.float().repeat_interleave(groups, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [heads, q_len, L+m]
+    hidden = ~rows.tree_mask.to(dev)
+    scores[:, :, rows.prefix_len:].masked_fill_(hidden.unsqueeze(0), float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v)  # [heads, q_len, d]
+    return out.transpose(0, 1).to(query.dtype)
+
+
+def layout_kv_heads(layout) -> int:
+    return layout.values.shape[-2] if isinstance(layout, CudaFlashLayout) else \
+        layout.values.shape[1]
+
+
+def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) -> None:
+    """Overwrite the tree rows of `output` (the backend's causal result) with masked attention."""
+    plan = _ACTIVE
+    if plan is None or attn_metadata is None:
+        return
+    if kv_cache.device.type == "cpu":
+        check_cpu_layout(getattr(layer, "isa", "?"), kv_cache.shape[-1] // 2, kv_cache.shape[2],
+                         kv_cache.dtype)
+    layout = layout_for(kv_cache)
+    block_table = attn_metadata.block_table if hasattr(attn_metadata, "block_table") \
+        else attn_metadata.block_table_tensor
+    heads = query.shape[1]
+    out = output.view(output.shape[0], heads, -1)
+    for rows in plan.rows:
+        res = tree_attention_rows(query, layout, block_table[rows.req_index], rows, impl.scale)
+        out[rows.q_start: rows.q_start + res.shape[0]] = res
+
+
+def move_kv(kv_caches: list[torch.Tensor], block_table_row: torch.Tensor, src_logical: torch.Tensor,
+            dst_logical: torch.Tensor) -> None:
+    """Move K/V between logical positions of one request, in every layer (KV compaction)."""
+    if src_logical.numel() == 0:
+        return
+    seen = set()
+    for kv in kv_caches:
+        if kv.data_ptr() in seen:
+            continue
+        seen.add(kv.data_ptr())
+        layout = layout_for(kv)
+        bs = layout.block_size
+        to_slot = lambda p: block_table_row[p // bs].to(torch.int64) * bs + p % bs  # noqa: E731
+        layout.move(to_slot(src_logical), to_slot(dst_logical))

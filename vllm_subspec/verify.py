@@ -1,0 +1,80 @@
+"""Tree verification: "sample, then match" on the target's logits at every tree node.
+
+Takes the place of vLLM's `RejectionSampler` (same call, same output format) when SubSpec drafts
+trees. For each request the target's token is drawn at every node (argmax when greedy; else from
+the request's own temperature / top-k / top-p distribution, with its seed); then the walk starts at
+the root and moves to the child whose token equals the draw at the current node, as long as there
+is one. The draws along the path are emitted, the last one being the bonus token. Drawing at all
+nodes up front is the same in distribution as drawing lazily along the walk (every node is visited
+at most once), and every emitted token is a draw from the target at its exact context: the output
+is plain ancestral sampling from the target whatever the draft proposed.
+
+Output rows are left-aligned emitted tokens padded with -1, as vLLM's sampler returns, so vLLM's
+bookkeeping, scheduler and spec-decode metrics work unchanged (τ = emitted tokens per step).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+from vllm_subspec.tree import accepted_path
+
+PLACEHOLDER = -1
+_SAMPLING_EPS = 1e-5
+
+
+class TreeVerifier:
+    def __init__(self, runner, state):
+        self.runner = runner
+        self.state = state  # TreeState shared with the proposer
+
+    def __call__(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        num_draft = list(metadata.num_draft_tokens)
+        req_ids = self.runner.input_batch.req_ids[: len(num_draft)]
+        rows = torch.tensor([n + 1 for n in num_draft])
+        draws = draw_target_tokens(logits, rows, sampling_metadata).tolist()
+
+        out = torch.full((len(num_draft), max(num_draft) + 1), PLACEHOLDER, dtype=torch.int32)
+        start = 0
+        for i, (req_id, n) in enumerate(zip(req_ids, num_draft)):
+            target = draws[start: start + n + 1]
+            start += n + 1
+            tree = self.state.trees.get(req_id) if n else None
+            path = accepted_path(tree.tokens[: n + 1], tree.parents[: n + 1], target) \
+                if tree is not None else []
+            emitted = [target[0]] + [target[a] for a in path]
+            out[i, : len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
+            if n:
+                self.state.accepted[req_id] = path
+        if sampling_metadata.max_num_logprobs is not None:
+            raise NotImplementedError(
+                "vllm-subspec: logprobs are not supported with tree drafting yet; use "
+                "tree_width=1 (chain drafting) for requests that need logprobs")
+        return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
+
+
+def draw_target_tokens(logits: torch.Tensor, rows_per_request: torch.Tensor,
+                       sampling_metadata) -> torch.Tensor:
+    """One target token per logits row: argmax for greedy requests, else a seeded draw from
+    the request's temperature/top-k/top-p distribution. rows_per_request: [num_reqs]."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    if sampling_metadata.all_greedy:
+        return greedy
+    expand = lambda t: None if t is None else t.repeat_interleave(  # noqa: E731
+        rows_per_request.to(t.device), dim=0)
+    temperature = expand(sampling_metadata.temperature)
+    is_greedy = temperature < _SAMPLING_EPS
+    scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1)
+    warped = apply_top_k_top_p(scaled, expand(sampling_metadata.top_k),
+                               expand(sampling_metadata.top_p))
+    probs = warped.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()  # Gumbel-max via exponential races
+    offsets = torch.cumsum(rows_per_request, 0) - rows_per_request
+    for req_index, gen in sampling_metadata.generators.items():
+        a, n = int(offsets[req_index]), int(rows_per_request[req_index])
+        noise[a: a + n].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(is_greedy, greedy, sampled)
