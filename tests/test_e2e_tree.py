@@ -62,22 +62,26 @@ def test_tree_greedy_identical(smollm2, prompts, plain, depth):
 def test_tree_with_prefills_preemption_and_prefix_cache(smollm2):
     """Staggered lengths (prefills join running decodes), a KV cache too small for every request
     at once (preemption), and a shared system prompt (prefix-cache hits)."""
+    # longer than one KV block (128 tokens on the CPU backend), so it can be shared
     system = ("You are a meticulous assistant. Answer in plain English, in full sentences, "
-              "and never use lists. ") * 4
+              "and never use lists. ") * 12
     questions = mt_bench_prompts(8)
     prompts = chat_prompts(smollm2, [system + q for q in questions])
     params = [SamplingParams(temperature=0.0, max_tokens=48 + 12 * i, ignore_eos=True)
               for i in range(len(prompts))]
-    settings = dict(FP32, max_num_seqs=6, kv_cache_memory_bytes=48 * 2**20,
+    settings = dict(FP32, max_num_seqs=6, kv_cache_memory_bytes=48 * 2**20, max_model_len=768,
                     max_num_batched_tokens=512)
 
     def run(spec):
         llm = make_llm(smollm2, spec, **settings)
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
+            # the same prompts again: served from the prefix cache
+            again = llm.generate(prompts[:3], params[:3], use_tqdm=False)
             metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-            return [list(o.outputs[0].token_ids) for o in outs], metrics, \
-                acceptance_stats(llm) if spec else None
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+            assert [list(o.outputs[0].token_ids) for o in again] == ids[:3]
+            return ids, metrics, acceptance_stats(llm) if spec else None
         finally:
             shutdown(llm)
 
