@@ -105,13 +105,14 @@ class SubSpecProposer(DraftModelProposer):
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
-        if num_speculative_tokens == 0:
-            return torch.empty(batch_size, 0, dtype=torch.int64, device=next_token_ids.device)
         start = time.perf_counter()
         cad, last_verified = self.bonus_token_metadata(common_attn_metadata,
                                                        num_rejected_tokens_gpu)
-        if self.options.is_tree:
+        if self.options.is_tree:  # verified paths move into place even if nothing is drafted
             self.compact_accepted_paths(cad, last_verified)
+        if num_speculative_tokens == 0:
+            return torch.empty(batch_size, 0, dtype=torch.int64, device=next_token_ids.device)
+        if self.options.is_tree:
             drafts = self.draft_tree(cad, last_verified, next_token_ids)
         else:
             drafts = self.draft_chain(cad, last_verified, next_token_ids, num_speculative_tokens)
