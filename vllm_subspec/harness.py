@@ -70,7 +70,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 @dataclass
 class EngineRun:
     timed: RunResult  # the timed workload: speed and τ
-    batched: RunResult  # all prompts at once, every one to max_tokens: the identity check
+    batched: RunResult | None  # all prompts at once, each to max_tokens: the identity check
     draft_seconds: float = 0.0  # time SubSpecProposer spent drafting during the timed run
     draft_steps: int = 0
 
@@ -81,7 +81,8 @@ def _draft_timing(worker):
 
 
 def run_engine(model: str, prompts, sampling_params, speculative_config=None,
-               one_at_a_time: bool = True, **engine_kwargs) -> EngineRun:
+               one_at_a_time: bool = True, identity_run: bool = True,
+               **engine_kwargs) -> EngineRun:
     """Start an engine, warm it up, time the prompts (one at a time by default), then generate
     them as one batch (ignore_eos) for the token-identity check, and shut the engine down.
 
@@ -105,9 +106,11 @@ def run_engine(model: str, prompts, sampling_params, speculative_config=None,
         timed = timed_generate(llm, prompts, sampling_params, spec=spec,
                                one_at_a_time=one_at_a_time)
         after = timing()
-        full = sampling_params.clone()
-        full.ignore_eos = True
-        batched = timed_generate(llm, prompts, full, spec=spec)
+        batched = None
+        if identity_run:
+            full = sampling_params.clone()
+            full.ignore_eos = True
+            batched = timed_generate(llm, prompts, full, spec=spec)
         return EngineRun(timed, batched, after[0] - before[0], after[1] - before[1])
     finally:
         llm.llm_engine.engine_core.shutdown()
