@@ -200,8 +200,7 @@ class SubSpecProposer(DraftModelProposer):
                 tree.truncate()
                 break
             logical = root_pos[:, None] + level.start + arange_k  # node slots L + i
-            bs = self.block_size
-            slots = (block_table.gather(1, logical // bs).to(torch.int64) * bs + logical % bs)
+            slots = tree_attention.logical_to_slots(block_table, logical, self.block_size)
             n = batch_size * k
             self.positions[:n] = (root_pos[:, None] + d).expand(-1, k).reshape(-1)
             step_cad = dataclasses.replace(

@@ -8,7 +8,7 @@ slots are not positions. Depth-D nodes are produced by the draft but never forwa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -133,9 +133,6 @@ class StoredTree:
 class TreeState:
     """What the proposer and the verifier share, keyed by request id."""
 
-    trees: dict = None  # req_id -> StoredTree drafted last step
-    accepted: dict = None  # req_id -> accepted node indices (root excluded), from the verifier
-
-    def __post_init__(self):
-        self.trees = {} if self.trees is None else self.trees
-        self.accepted = {} if self.accepted is None else self.accepted
+    trees: dict[str, StoredTree] = field(default_factory=dict)  # drafted last step
+    # accepted node indices (root excluded), set by the verifier, consumed by the proposer
+    accepted: dict[str, list[int]] = field(default_factory=dict)

@@ -45,8 +45,11 @@ def set_plan(plan: TreePlan | None) -> None:
     _ACTIVE = plan if plan is not None and plan.rows else None
 
 
-def active_plan() -> TreePlan | None:
-    return _ACTIVE
+def logical_to_slots(block_table: torch.Tensor, logical: torch.Tensor, block_size: int):
+    """Absolute KV slots of a request's logical positions (block_table: its row, or [B, blocks]
+    with logical [B, ...])."""
+    blocks = block_table.gather(-1, (logical // block_size).to(torch.int64))
+    return blocks.to(torch.int64) * block_size + logical % block_size
 
 
 class CpuVecLayout:
@@ -60,7 +63,7 @@ class CpuVecLayout:
         parts = kv_cache.view(nb, h, 2, bs * d)
         self.keys_t = parts[:, :, 0].view(nb, h, d, bs)
         self.values = parts[:, :, 1].view(nb, h, bs, d)
-        self.block_size = bs
+        self.block_size, self.kv_heads = bs, h
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V at absolute slots -> [T, kv_heads, head_dim] each."""
@@ -82,7 +85,7 @@ class CudaFlashLayout:
 
     def __init__(self, kv_cache: torch.Tensor):
         self.keys, self.values = kv_cache.unbind(0)
-        self.block_size = kv_cache.shape[2]
+        self.block_size, self.kv_heads = kv_cache.shape[2], kv_cache.shape[3]
 
     def gather(self, slots):
         blk, off = slots // self.block_size, slots % self.block_size
@@ -140,12 +143,10 @@ def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, 
     """
     q_len, m = rows.tree_mask.shape
     dev = query.device
-    bs = layout.block_size
-    to_slots = lambda logical: block_table[logical // bs].to(torch.int64) * bs + logical % bs  # noqa: E731
     q = query[rows.q_start: rows.q_start + q_len].float()  # [q_len, heads, d]
-    groups = q.shape[1] // layout_kv_heads(layout)
+    groups = q.shape[1] // layout.kv_heads
     logical = torch.arange(rows.prefix_len + m, device=dev)
-    k, v = layout.gather(to_slots(logical))  # [L + m, kv_heads, d]
+    k, v = layout.gather(logical_to_slots(block_table, logical, layout.block_size))
     k = k.float().repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, L + m, d]
     v = v.float().repeat_interleave(groups, dim=1).transpose(0, 1)
     scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [heads, q_len, L+m]
@@ -153,11 +154,6 @@ def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, 
     scores[:, :, rows.prefix_len:].masked_fill_(hidden.unsqueeze(0), float("-inf"))
     out = torch.matmul(scores.softmax(-1), v)  # [heads, q_len, d]
     return out.transpose(0, 1).to(query.dtype)
-
-
-def layout_kv_heads(layout) -> int:
-    return layout.values.shape[-2] if isinstance(layout, CudaFlashLayout) else \
-        layout.values.shape[1]
 
 
 def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) -> None:
@@ -190,5 +186,5 @@ def move_kv(kv_caches: list[torch.Tensor], block_table_row: torch.Tensor, src_lo
         seen.add(kv.data_ptr())
         layout = layout_for(kv)
         bs = layout.block_size
-        to_slot = lambda p: block_table_row[p // bs].to(torch.int64) * bs + p % bs  # noqa: E731
-        layout.move(to_slot(src_logical), to_slot(dst_logical))
+        layout.move(logical_to_slots(block_table_row, src_logical, bs),
+                    logical_to_slots(block_table_row, dst_logical, bs))

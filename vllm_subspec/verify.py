@@ -31,6 +31,10 @@ class TreeVerifier:
         self.state = state  # TreeState shared with the proposer
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        if sampling_metadata.max_num_logprobs is not None:
+            raise NotImplementedError(
+                "vllm-subspec: logprobs are not supported with tree drafting yet; use "
+                "tree_width=1 (chain drafting) for requests that need logprobs")
         num_draft = list(metadata.num_draft_tokens)
         req_ids = self.runner.input_batch.req_ids[: len(num_draft)]
         rows = torch.tensor([n + 1 for n in num_draft])
@@ -48,10 +52,6 @@ class TreeVerifier:
             out[i, : len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
             if n:
                 self.state.accepted[req_id] = path
-        if sampling_metadata.max_num_logprobs is not None:
-            raise NotImplementedError(
-                "vllm-subspec: logprobs are not supported with tree drafting yet; use "
-                "tree_width=1 (chain drafting) for requests that need logprobs")
         return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
 
 
