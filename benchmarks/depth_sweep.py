@@ -9,6 +9,8 @@ Writes benchmarks/results/<name>.{json,md}.
     # issue 3: chains vs k=6 trees, 20 prompts x 256 tokens, all prompts as one batch
     python benchmarks/depth_sweep.py --name tree_depth --max-tokens 256 --batched \\
         --configs chain:8 chain:16 chain:48 tree:6x8 tree:6x16 tree:6x32 tree:6x48
+    # PROJECTED GPU speed-ups from a finished sweep's τ (runs no engine)
+    python benchmarks/depth_sweep.py --name tree_depth --projection
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent))  # plots, projection
 
 
 def parse_args():
@@ -35,6 +38,9 @@ def parse_args():
     ap.add_argument("--skip-identity", action="store_true",
                     help="skip the batched token-identity run (halves the time)")
     ap.add_argument("--name", default="chain_depth")
+    ap.add_argument("--projection", action="store_true",
+                    help="run nothing: turn results/<name>.json's measured τ into PROJECTED GPU "
+                    "speed-ups (benchmarks/projection.py) -> results/<name>_projection.*")
     return ap.parse_args()
 
 
@@ -121,8 +127,24 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_projection(name: str) -> None:
+    from plots import plot_projection
+    from projection import projection_markdown, projection_rows
+
+    report = json.loads((RESULTS / name).with_suffix(".json").read_text())
+    rows = projection_rows(report["runs"])
+    out = RESULTS / f"{name}_projection"
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    md = projection_markdown(rows, f"`{report['command']}`")
+    out.with_suffix(".md").write_text(md + f"\n![projection]({out.name}.png)\n")
+    plot_projection(rows, out.with_suffix(".png"))
+    print(md)
+
+
 def main():
     args = parse_args()
+    if args.projection:
+        return write_projection(args.name)
     from vllm import SamplingParams
 
     from vllm_subspec.assets import chat_prompts, mt_bench_prompts, smollm2_path
@@ -155,10 +177,13 @@ def main():
 
 
 def write(report: dict) -> None:
+    from plots import plot_depth
+
     out = RESULTS / report["name"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    out.with_suffix(".md").write_text(markdown(report) + f"\n![depth]({out.name}.png)\n")
+    plot_depth(report, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""`vllm serve ... --speculative-config '{"method":"subspec"}'` serves OpenAI requests on CPU."""
+"""The OpenAI server with SubSpec: a real `vllm serve` subprocess on loopback, the `openai` client.
+
+Two servers with the same settings (float32, so that greedy output does not depend on how the
+server happens to batch concurrent requests): plain, and SubSpec with a small tree. Greedy
+requests must get exactly the plain server's text and tokens; everything else (streaming, stop
+strings, n>1, seeds, logprobs, disconnects, over-long prompts) must behave as on a plain server.
+"""
 
 import json
 import os
@@ -8,10 +14,20 @@ import socket
 import subprocess
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 pytestmark = pytest.mark.e2e
+
+SUBSPEC = {"method": "subspec", "tree_width": 4, "tree_depth": 6, "substitute_layers": "all"}
+MAX_MODEL_LEN = 1024
+QUESTIONS = [
+    "Name three primary colors.", "What is the capital of France?",
+    "Write a haiku about the sea.", "Explain what a CPU does in one sentence.",
+    "List four animals that live in the ocean.", "How many days are in a leap year?",
+    "Give me a short tip for learning to code.", "What does a bee make?",
+]
 
 
 def free_port() -> int:
@@ -20,54 +36,161 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
+def start_server(model, log, spec=None):
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    spec = json.dumps({"method": "subspec", "num_speculative_tokens": 4,
-                       "substitute_layers": "all"})
-    cmd = [shutil.which("vllm") or "vllm", "serve", smollm2, "--host", "127.0.0.1",
-           "--port", str(port), "--speculative-config", spec, "--enforce-eager",
-           "--max-model-len", "2048", "--gpu-memory-utilization", "0.3"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 400
-        while time.time() < deadline:
-            assert proc.poll() is None, log.read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
-        else:
-            pytest.fail("server did not come up:\n" + log.read_text()[-4000:])
-        yield base, smollm2
-    finally:
-        proc.terminate()
+    cmd = [shutil.which("vllm") or "vllm", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--enforce-eager", "--dtype", "float32", "--seed", "0",
+           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(256 * 2**20)]
+    if spec:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    out = open(log, "w")
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ)), \
+        f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc, base, log):
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        assert proc.poll() is None, log.read_text()[-4000:]
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(2)
+    pytest.fail("server did not come up:\n" + log.read_text()[-4000:])
 
 
-def test_chat_completion_and_spec_metrics(server):
+@pytest.fixture(scope="module")
+def servers(smollm2, tmp_path_factory):
+    """(plain, subspec) OpenAI clients; both servers start in parallel."""
     from openai import OpenAI
 
-    base, model = server
-    client = OpenAI(base_url=base + "/v1", api_key="none")
-    reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Name three primary colors."}],
-        temperature=0, max_tokens=48)
-    assert reply.choices[0].message.content.strip()
-    assert reply.usage.completion_tokens > 8
+    logs = tmp_path_factory.mktemp("serve")
+    procs = {name: start_server(smollm2, logs / f"{name}.log", spec)
+             for name, spec in (("plain", None), ("subspec", SUBSPEC))}
+    try:
+        for name, (proc, base) in procs.items():
+            wait_healthy(proc, base, logs / f"{name}.log")
+        yield {name: OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+               for name, (_, base) in procs.items()}, smollm2, procs["subspec"][1]
+    finally:
+        for proc, _ in procs.values():
+            proc.terminate()
+        for proc, _ in procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def chat(client, model, question, **kw):
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], **kw)
+
+
+def test_chat_greedy_matches_plain_and_metrics_report_tau(servers):
+    clients, model, base = servers
+    replies = {name: chat(c, model, QUESTIONS[0], temperature=0, max_tokens=64)
+               for name, c in clients.items()}
+    assert replies["subspec"].choices[0].message.content.strip()
+    assert replies["subspec"].choices[0].message.content == \
+        replies["plain"].choices[0].message.content
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    drafts = float(re.search(r"^vllm:spec_decode_num_drafts_total\{[^}]*\} (\S+)", text,
-                             re.M).group(1))
-    accepted = float(re.search(r"^vllm:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)",
-                               text, re.M).group(1))
+    counter = lambda name: float(re.search(  # noqa: E731
+        rf"^vllm:spec_decode_{name}_total\{{[^}}]*\}} (\S+)", text, re.M).group(1))
+    drafts, accepted = counter("num_drafts"), counter("num_accepted_tokens")
     assert drafts > 0 and accepted > 0
-    assert 1 < 1 + accepted / drafts <= 5  # τ within (1, k + 1]
+    assert 1 < 1 + accepted / drafts <= 1 + SUBSPEC["tree_depth"]  # τ within (1, D + 1]
+
+
+def test_eight_concurrent_greedy_clients_get_the_plain_text(servers):
+    clients, model, _ = servers
+
+    def ask_all(client):
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            return list(pool.map(lambda q: chat(client, model, q, temperature=0, max_tokens=64)
+                                 .choices[0].message.content, QUESTIONS))
+
+    assert ask_all(clients["subspec"]) == ask_all(clients["plain"])
+
+
+def test_completions_streaming_equals_non_streaming(servers):
+    clients, model, _ = servers
+    kw = dict(model=model, prompt="The three laws of robotics are", temperature=0,
+              max_tokens=48)
+    whole = clients["subspec"].completions.create(**kw)
+    pieces = [c.choices[0].text for c in clients["subspec"].completions.create(stream=True, **kw)]
+    assert len(pieces) > 1
+    assert "".join(pieces) == whole.choices[0].text
+    assert whole.choices[0].text == clients["plain"].completions.create(**kw).choices[0].text
+    stream = chat(clients["subspec"], model, QUESTIONS[2], temperature=0, max_tokens=48,
+                  stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == chat(clients["plain"], model, QUESTIONS[2], temperature=0,
+                            max_tokens=48).choices[0].message.content
+
+
+def test_stop_strings_and_max_tokens(servers):
+    clients, model, _ = servers
+    kw = dict(model=model, prompt="Count: one, two, three,", temperature=0, max_tokens=64)
+    stopped = {n: c.completions.create(stop=[" six"], **kw).choices[0]
+               for n, c in clients.items()}
+    assert stopped["subspec"].finish_reason == "stop"
+    assert " six" not in stopped["subspec"].text
+    assert stopped["subspec"].text == stopped["plain"].text
+    capped = clients["subspec"].completions.create(**dict(kw, max_tokens=5))
+    assert capped.usage.completion_tokens == 5
+    assert capped.choices[0].finish_reason == "length"
+
+
+def test_n_and_seeds(servers):
+    clients, model, _ = servers
+    kw = dict(temperature=0.9, max_tokens=32, n=3, seed=1234)
+    first = chat(clients["subspec"], model, QUESTIONS[4], **kw)
+    again = chat(clients["subspec"], model, QUESTIONS[4], **kw)
+    texts = [c.message.content for c in first.choices]
+    assert len(texts) == 3 and all(texts)
+    assert texts == [c.message.content for c in again.choices]  # same seed, same samples
+    other = chat(clients["subspec"], model, QUESTIONS[4], **dict(kw, seed=4321))
+    assert [c.message.content for c in other.choices] != texts
+
+
+def test_logprobs_match_plain(servers):
+    clients, model, _ = servers
+    kw = dict(model=model, prompt="The capital of Italy is", temperature=0, max_tokens=24,
+              logprobs=3)
+    got = {n: c.completions.create(**kw).choices[0].logprobs for n, c in clients.items()}
+    assert got["subspec"].tokens == got["plain"].tokens
+    for ours, theirs in zip(got["subspec"].token_logprobs, got["plain"].token_logprobs):
+        assert ours == pytest.approx(theirs, abs=2e-3)
+    for ours, theirs in zip(got["subspec"].top_logprobs, got["plain"].top_logprobs):
+        assert len(ours) == 3
+        assert set(ours) == set(theirs)
+    reply = chat(clients["subspec"], model, QUESTIONS[1], temperature=0, max_tokens=16,
+                 logprobs=True, top_logprobs=2)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+
+
+def test_server_survives_disconnect_and_overlong_prompt(servers):
+    import openai
+
+    clients, model, _ = servers
+    client = clients["subspec"]
+    stream = client.completions.create(model=model, prompt="Tell me a long story.",
+                                       temperature=0, max_tokens=400, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the client goes away mid-generation
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="word " * (MAX_MODEL_LEN + 50),
+                                  max_tokens=8)
+    assert err.value.status_code == 400
+    reply = chat(client, model, QUESTIONS[5], temperature=0, max_tokens=32)
+    assert reply.choices[0].message.content == \
+        chat(clients["plain"], model, QUESTIONS[5], temperature=0, max_tokens=32) \
+        .choices[0].message.content

@@ -61,6 +61,13 @@ def test_bad_config_fails_before_engine(tiny_llama, spec, fragment):
         engine_config(tiny_llama, spec)
 
 
+def test_processed_logprobs_mode_rejected_for_trees(tiny_llama):
+    with pytest.raises(SubSpecConfigError, match="logprobs_mode 'processed_logprobs'"):
+        engine_config(tiny_llama, {"method": "subspec"}, logprobs_mode="processed_logprobs")
+    engine_config(tiny_llama, {"method": "subspec", "num_speculative_tokens": 4},
+                  logprobs_mode="processed_logprobs")  # chains: vLLM's sampler handles it
+
+
 def test_moe_architecture_rejected(tmp_path):
     from transformers import MixtralConfig
 
@@ -77,14 +84,34 @@ def test_v2_runner_env_rejected(tiny_llama, monkeypatch):
         engine_config(tiny_llama, {"method": "subspec"})
 
 
-def test_vllm_serve_bad_key_exits_with_clear_message(tiny_llama):
-    spec = json.dumps({"method": "subspec", "tree_widht": 6})
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from transformers import MixtralConfig
+
+    path = tmp_path_factory.mktemp("moe")
+    MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                  architectures=["MixtralForCausalLM"]).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("model, spec, message", [
+    ("tiny", '{"method": "subspec", "tree_widht": 6}',
+     "vllm-subspec: unknown speculative_config key(s) ['tree_widht']"),
+    ("tiny", '{"method": "subspec", "tree_width": 0}', "vllm-subspec: invalid speculative_config: tree_width must be an integer"),
+    ("tiny", '{"method": "subspec", tree', "argument --speculative-config/-sc: Value"),
+    ("moe", '{"method": "subspec"}', "vllm-subspec: unsupported architecture"),
+], ids=["unknown_key", "impossible_value", "bad_json", "moe"])
+def test_vllm_serve_misconfiguration_exits_before_loading(tiny_llama, moe_model, model, spec,
+                                                          message):
+    model = tiny_llama if model == "tiny" else moe_model
     proc = subprocess.run(
-        [shutil.which("vllm") or "vllm", "serve", tiny_llama,
+        [shutil.which("vllm") or "vllm", "serve", model, "--skip-tokenizer-init",
          "--speculative-config", spec, "--port", "0"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ),
     )
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "vllm-subspec: unknown speculative_config key(s) ['tree_widht']" in out
+    assert message in out
+    assert out.count("vllm-subspec:") <= 1  # one message, not one per process or retry
     assert "Loading weights" not in out and "Starting to load model" not in out

@@ -1,5 +1,6 @@
 """Which layers get substitutes, against vLLM's real offload configuration objects."""
 
+import pytest
 import torch
 from torch import nn
 from vllm.config.offload import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
@@ -58,3 +59,26 @@ def test_uva_marker_detected_on_accelerator():
     ls = layers(3, device="meta")  # stands for accelerator-resident weights
     ls[0].weight._vllm_is_uva_offloaded = True
     assert offloaded_layer_indices(ls, OffloadConfig(), torch.device("cuda")) == [0]
+
+
+@pytest.mark.parametrize("group,num,params", [(4, 2, set()), (3, 1, set()), (4, 4, {"weight"}),
+                                              (2, 1, {"bias"})])
+def test_prefetch_plan_matches_vllm_prefetch_offloader(monkeypatch, group, num, params):
+    """Our plan vs the selection vLLM's own PrefetchOffloader.wrap_modules makes (run for real,
+    with its CUDA-only per-layer offloader replaced by a recorder)."""
+    from vllm.model_executor.offloader import prefetch
+
+    picked = []
+    monkeypatch.setattr(prefetch, "_ModuleOffloader",
+                        lambda module, **kw: picked.append(module) or object())
+    monkeypatch.setattr(prefetch.PrefetchOffloader, "_hook_module_forward", lambda *a: None)
+    offloader = object.__new__(prefetch.PrefetchOffloader)  # __init__ makes a CUDA stream
+    offloader.__dict__.update(group_size=group, num_in_group=num, prefetch_step=1,
+                              offload_params=params, mode="cpu", module_offloaders=[],
+                              copy_stream=None)
+    ls = layers(9)
+    offloader.wrap_modules(iter(ls))
+    vllm_choice = [i for i, layer in enumerate(ls) if any(layer is m for m in picked)]
+    cfg = OffloadConfig(prefetch=PrefetchOffloadConfig(
+        offload_group_size=group, offload_num_in_group=num, offload_params=params))
+    assert planned_offload(ls, cfg) == vllm_choice

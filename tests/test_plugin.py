@@ -35,3 +35,15 @@ def test_apply_is_idempotent():
 ])
 def test_version_gate(version, ok):
     assert patches.vllm_version_supported(version) is ok
+
+
+def test_trees_keep_attention_out_of_cuda_graphs():
+    from vllm.config import CUDAGraphMode
+
+    from vllm_subspec.patches import tree_cudagraph_mode
+
+    assert tree_cudagraph_mode(None) == CUDAGraphMode.PIECEWISE  # vLLM's default would be FULL_*
+    assert tree_cudagraph_mode(CUDAGraphMode.FULL_AND_PIECEWISE) == CUDAGraphMode.PIECEWISE
+    assert tree_cudagraph_mode(CUDAGraphMode.FULL_DECODE_ONLY) == CUDAGraphMode.PIECEWISE
+    assert tree_cudagraph_mode(CUDAGraphMode.PIECEWISE) == CUDAGraphMode.PIECEWISE
+    assert tree_cudagraph_mode(CUDAGraphMode.NONE) == CUDAGraphMode.NONE

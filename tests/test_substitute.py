@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from vllm_subspec.config import SubSpecOptions
-from vllm_subspec.draft_model import build_substitutes
+from vllm_subspec.draft_model import build_substitutes, substitute_layer
 from vllm_subspec.substitute import (
     Int4CpuKernel,
     ReferenceKernel,
@@ -97,20 +97,61 @@ class _Layer(nn.Module):
     def __init__(self, h):
         super().__init__()
         self.self_attn, self.mlp = _Attn(h), _Mlp(h)
+        self.input_layernorm = nn.LayerNorm(h, dtype=torch.bfloat16)
+
+
+def _model(num_layers=3, h=256):
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([_Layer(h) for _ in range(num_layers)])
+    return model
 
 
 def test_substitute_memory_is_28_percent_of_bf16():
-    model = nn.Module()
-    model.model = nn.Module()
-    model.model.layers = nn.ModuleList([_Layer(256) for _ in range(3)])
+    model = _model()
     opts = SubSpecOptions.from_dict({"quantizer": "rtn"})
     subs = build_substitutes(model, [0, 2], opts, CPU)
     assert sorted(subs.layers) == [0, 2]
     assert set(subs.layers[0]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    linear_bytes = sum(p.numel() * 2 for p in model.model.layers[0].parameters()) * 2
+    linear_bytes = sum(p.numel() * 2 for name, p in model.model.layers[0].named_parameters()
+                       if "proj" in name) * 2
     assert subs.replaced_bytes == linear_bytes
     ratio = subs.nbytes() / subs.replaced_bytes
     # 4 bits + one bf16 scale and one bf16 zero per 64 weights = 4.5 bits = 28.1% of bf16
     assert ratio == pytest.approx(4.5 / 16, rel=0.01)
     # substitutes are not registered as submodules of the target
     assert not any("subspec" in n for n, _ in model.named_modules())
+
+    assert subs.layout(kv_cache_bytes=2**30).startswith(
+        "vllm-subspec layout: 3 layers; resident (shared) 1; substituted 0,2; substitutes ")
+    assert subs.layout(kv_cache_bytes=2**30).endswith("KV cache 1.000 GiB")
+
+
+def test_substitute_layer_shares_attention_and_owns_the_rest():
+    model = _model(num_layers=1)
+    layer = model.model.layers[0]
+    layer.self_attn.attn = nn.Module()  # stands for vLLM's Attention (owns the KV cache)
+    layer.self_attn.attn.register_buffer("k_scale", torch.ones(1))
+    layer.forward = lambda *a, **k: pytest.fail("the offloader's hook must not be called")
+    subs = build_substitutes(model, [0], SubSpecOptions.from_dict({"quantizer": "rtn"}), CPU)
+    # "meta" stands for the accelerator: an offloaded layer's norms sit in host memory
+    clone = substitute_layer(layer, subs.layers[0], torch.device("meta"))
+    assert clone.self_attn.attn is layer.self_attn.attn
+    assert layer.self_attn.attn.k_scale.device == CPU  # shared modules are left alone
+    assert clone.self_attn.qkv_proj is subs.layers[0]["qkv_proj"]
+    assert clone.mlp.down_proj is subs.layers[0]["down_proj"]
+    assert clone.input_layernorm.weight.device.type == "meta"  # its own copy, on the device
+    assert layer.input_layernorm.weight.device == CPU  # the target's stays where it was
+    assert "forward" not in clone.__dict__
+
+
+def test_warm_up_runs_each_linear_shape_for_every_row_bucket():
+    model = _model(num_layers=2)
+    subs = build_substitutes(model, [0, 1], SubSpecOptions.from_dict({"quantizer": "rtn"}), CPU)
+    calls = []
+    for name, sub in subs.layers[0].items():
+        kernel = sub.kernel
+        sub.kernel = lambda x, k=kernel, n=name: calls.append((n, x.shape[0])) or k(x)
+    subs.warm_up(max_rows=12, dtype=torch.bfloat16, device=CPU)
+    # one representative per linear (every layer has the same shapes), rows 1, 2, 4, 8
+    assert sorted(calls) == sorted((n, m) for n in subs.layers[0] for m in (1, 2, 4, 8))

@@ -35,11 +35,36 @@ def _linear_owner(layer: nn.Module, name: str) -> nn.Module:
 class SubstituteSet:
     """The substitutes built for one target model, keyed by decoder layer index."""
 
+    num_layers: int = 0  # decoder layers in the target
     layers: dict[int, dict[str, SubstituteLinear]] = field(default_factory=dict)
     replaced_bytes: int = 0  # bytes of the target linear weights they stand in for
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for subs in self.layers.values() for s in subs.values())
+
+    def layout(self, kv_cache_bytes: int) -> str:
+        """The start-up summary: which layers are shared, which substituted, what it costs."""
+        chosen = sorted(self.layers)
+        resident = [i for i in range(self.num_layers) if i not in self.layers]
+        return (f"vllm-subspec layout: {self.num_layers} layers; resident (shared) "
+                f"{_ranges(resident)}; substituted {_ranges(chosen)}; substitutes "
+                f"{self.nbytes() / 2**30:.3f} GiB ({100 * self.nbytes() / max(self.replaced_bytes, 1):.1f}% "
+                f"of the {self.replaced_bytes / 2**30:.3f} GiB they replace); KV cache "
+                f"{kv_cache_bytes / 2**30:.3f} GiB")
+
+    def warm_up(self, max_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Run every kernel shape once per power-of-two row count up to `max_rows`, so that
+        GemLite's Triton autotuning/compilation happens at start-up (before vLLM captures CUDA
+        graphs), never inside a request."""
+        one_per_linear: dict[str, SubstituteLinear] = {}  # every layer has the same shapes
+        for subs in self.layers.values():
+            for name, sub in subs.items():
+                one_per_linear.setdefault(name, sub)
+        rows = [1 << i for i in range(max(max_rows, 1).bit_length())]
+        with torch.inference_mode():
+            for sub in one_per_linear.values():
+                for m in rows:
+                    sub(torch.zeros(m, sub.in_features, dtype=dtype, device=device))
 
     def attach_to(self, model: nn.Module) -> None:
         # A plain attribute (not a submodule): vLLM must not see these in named_parameters().
@@ -56,7 +81,7 @@ def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSp
     from tqdm import tqdm
 
     layers = decoder_layers(model)
-    subs = SubstituteSet()
+    subs = SubstituteSet(num_layers=len(layers))
     jobs = [(i, name) for i in layer_indices for name in SUBSTITUTE_LINEARS]
     for i, name in tqdm(jobs, desc=f"SubSpec: {options.bits}-bit substitutes", unit="linear",
                         disable=not jobs):
@@ -65,11 +90,30 @@ def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSp
             linear, device, options.bits, options.group_size, options.quantizer,
             options.kernel, name=f"layers.{i}.{name}")
         subs.replaced_bytes += linear.weight.numel() * linear.weight.element_size()
+    # Substitutes live on the device only: SubSpec adds no host memory to plain offloading.
+    stray = [s.source_name for subs_i in subs.layers.values() for s in subs_i.values()
+             if any(t.device.type != device.type for t in s.tensors())]
+    if stray:
+        raise RuntimeError(f"vllm-subspec: substitutes not on {device}: {stray}")
     return subs
 
 
-def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear]) -> nn.Module:
-    """A copy of `layer` that runs `linears` and shares the target's attention and rotary."""
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    if not idx:
+        return "none"
+    out, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
+def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear],
+                     device: torch.device) -> nn.Module:
+    """A copy of `layer` on `device` that runs `linears` and shares the target's attention and
+    rotary embedding."""
     attn = layer.self_attn
     shared: dict[int, object] = {id(attn.attn): attn.attn}
     if hasattr(attn, "rotary_emb"):
@@ -78,24 +122,37 @@ def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear]) -> 
         shared[id(getattr(_linear_owner(layer, name), name))] = sub
     # deepcopy with a pre-seeded memo: the shared objects map to themselves (or to their
     # substitute) and are not copied; everything else (norms, activations) is small and copied.
-    clone = copy.deepcopy(layer, memo=shared)
+    shared_modules = {id(m) for obj in shared.values() for m in obj.modules()}
+    clone = copy.deepcopy(layer, memo=shared)  # (fills the memo with every copied object)
     for m in clone.modules():
         # Offloaders install an instance-level `forward` hook on the target layer; the copy must
         # call its class forward, never the hook (which would fetch the offloaded weights).
         m.__dict__.pop("forward", None)
+    # The prefetch offloader keeps an offloaded layer's norms in CPU memory (it serves them from
+    # its GPU slots), so the copy moves its own small tensors to the draft's device; the shared
+    # modules are left alone (the offloader manages their tensors).
+    for m in clone.modules():
+        if id(m) in shared_modules:
+            continue
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if t.device != device:
+                moved = t.detach().to(device)
+                setattr(m, name, nn.Parameter(moved, requires_grad=False)
+                        if isinstance(t, nn.Parameter) else moved)
     return clone
 
 
 class DraftModel(nn.Module):
     """Callable like vLLM's CausalLM: forward(input_ids, positions) -> hidden states."""
 
-    def __init__(self, target: nn.Module, substitutes: SubstituteSet):
+    def __init__(self, target: nn.Module, substitutes: SubstituteSet, device: torch.device):
         super().__init__()
         # Kept out of the module tree: these are the target's modules, owned by the runner.
         self.__dict__["target"] = target
         base = decoder_layers(target)
         self.__dict__["layers"] = [
-            substitute_layer(layer, substitutes.layers[i]) if i in substitutes.layers else layer
+            substitute_layer(layer, substitutes.layers[i], device)
+            if i in substitutes.layers else layer
             for i, layer in enumerate(base)
         ]
         self.substituted = sorted(substitutes.layers)

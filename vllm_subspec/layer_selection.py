@@ -42,7 +42,8 @@ def planned_offload(layers: Sequence[nn.Module], offload_config) -> list[int]:
     uva, prefetch = offload_config.uva, offload_config.prefetch
     if backend == "prefetch" or (backend == "auto" and prefetch.offload_group_size > 0):
         g, n = prefetch.offload_group_size, prefetch.offload_num_in_group
-        return [i for i in range(len(layers)) if g > 0 and i % g >= g - n]
+        return [i for i, layer in enumerate(layers) if g > 0 and i % g >= g - n
+                and _has_matching_param(layer, prefetch.offload_params)]
     if backend in ("uva", "auto") and uva.cpu_offload_gb > 0:
         return _uva_plan(layers, int(uva.cpu_offload_gb * 1024**3), uva.cpu_offload_params)
     return []
@@ -57,7 +58,7 @@ def _uva_plan(layers: Sequence[nn.Module], budget: int, only_params: set[str]) -
         for name, p in layer.named_parameters():
             if used >= budget:
                 break
-            if only_params and not any(f".{s}." in f".{name}." for s in only_params):
+            if only_params and not _matches(name, only_params):
                 continue
             used += p.numel() * p.element_size()
             took = True
@@ -66,3 +67,12 @@ def _uva_plan(layers: Sequence[nn.Module], budget: int, only_params: set[str]) -
         if used >= budget:
             break
     return picked
+
+
+def _matches(param_name: str, only_params: set[str]) -> bool:
+    # vLLM matches whole dotted segments: "mlp.down_proj" matches "layers.3.mlp.down_proj.weight"
+    return any(f".{s}." in f".{param_name}." for s in only_params)
+
+
+def _has_matching_param(layer: nn.Module, only_params: set[str]) -> bool:
+    return not only_params or any(_matches(n, only_params) for n, _ in layer.named_parameters())

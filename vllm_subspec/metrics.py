@@ -26,15 +26,21 @@ class AcceptanceStats:
     def acceptance_rate_per_position(self) -> list[float]:
         return [a / self.num_drafts for a in self.accepted_per_position] if self.num_drafts else []
 
+    def __add__(self, other: AcceptanceStats) -> AcceptanceStats:
+        return self._combine(other, 1)
+
     def __sub__(self, other: AcceptanceStats) -> AcceptanceStats:
+        return self._combine(other, -1)
+
+    def _combine(self, other: AcceptanceStats, sign: int) -> AcceptanceStats:
         n = max(len(self.accepted_per_position), len(other.accepted_per_position))
         pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
         return AcceptanceStats(
-            self.num_drafts - other.num_drafts,
-            self.num_draft_tokens - other.num_draft_tokens,
-            self.num_accepted_tokens - other.num_accepted_tokens,
-            [a - b for a, b in zip(pad(self.accepted_per_position),
-                                   pad(other.accepted_per_position))],
+            self.num_drafts + sign * other.num_drafts,
+            self.num_draft_tokens + sign * other.num_draft_tokens,
+            self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            [a + sign * b for a, b in zip(pad(self.accepted_per_position),
+                                          pad(other.accepted_per_position))],
         )
 
 

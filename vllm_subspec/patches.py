@@ -82,6 +82,20 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
     return vllm_spec, additional
 
 
+def tree_cudagraph_mode(requested):
+    """Trees need PIECEWISE CUDA graphs: attention must run outside the graphs, since the tree
+    mask is applied in the attention backend's Python forward (patch 6), which a FULL graph's
+    replay would skip. vLLM makes the same override for KV connectors (config/vllm.py)."""
+    from vllm.config import CUDAGraphMode
+
+    if requested is not None and not requested.has_full_cudagraphs():
+        return requested  # NONE or PIECEWISE: already safe
+    if requested is not None:
+        logger.warning("vllm-subspec: tree drafting needs attention outside CUDA graphs; "
+                       "cudagraph_mode %s -> PIECEWISE", requested.name)
+    return CUDAGraphMode.PIECEWISE
+
+
 def _patch_create_speculative_config() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -91,6 +105,16 @@ def _patch_create_speculative_config() -> None:
             if isinstance(spec, dict) and spec.get("method") == METHOD:
                 self.speculative_config, self.additional_config = translate_speculative_config(
                     spec, self.additional_config, target_model_config, target_parallel_config)
+                from vllm.platforms import current_platform
+
+                options = SubSpecOptions.from_dict(self.additional_config[ADDITIONAL_CONFIG_KEY])
+                if options.is_tree and str(self.logprobs_mode).startswith("processed"):
+                    raise SubSpecConfigError(
+                        f"logprobs_mode {self.logprobs_mode!r} is not supported with tree "
+                        "drafting (raw_logprobs and raw_logits are); use tree_width=1")
+                if options.is_tree and current_platform.is_cuda_alike():
+                    self.compilation_config.cudagraph_mode = tree_cudagraph_mode(
+                        self.compilation_config.cudagraph_mode)
             return original(self, target_model_config, target_parallel_config)
 
         return create_speculative_config
@@ -158,24 +182,7 @@ def attach_substitutes(model, options, vllm_config, device: torch.device) -> Non
             "vllm-subspec: substitute_layers=%r selected no layer (no weights are offloaded); "
             "the draft is the full-precision target", options.substitute_layers)
     subs = build_substitutes(model, chosen, options, device)
-    subs.attach_to(model)
-    resident = [i for i in range(len(layers)) if i not in set(chosen)]
-    logger.info(
-        "vllm-subspec layout: %d layers; resident (shared) %s; substituted %s; substitutes "
-        "%.3f GiB (%.1f%% of the %.3f GiB they replace)", len(layers), _ranges(resident),
-        _ranges(chosen), subs.nbytes() / 2**30,
-        100 * subs.nbytes() / max(subs.replaced_bytes, 1), subs.replaced_bytes / 2**30)
-
-
-def _ranges(idx: list[int]) -> str:
-    if not idx:
-        return "none"
-    out, start = [], idx[0]
-    for a, b in zip(idx, idx[1:] + [None]):
-        if b != a + 1:
-            out.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)
+    subs.attach_to(model)  # the layout is logged once the KV cache is sized (the proposer)
 
 
 # ---- 4. install the SubSpec drafter ------------------------------------------------------

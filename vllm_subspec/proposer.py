@@ -61,7 +61,7 @@ class SubSpecProposer(DraftModelProposer):
                 "vllm-subspec: the target was loaded without SubSpec's weight hook; is the "
                 "plugin enabled in this process (VLLM_PLUGINS)?"
             )
-        self.model = DraftModel(target_model, substitutes)
+        self.model = DraftModel(target_model, substitutes, self.device)
         target_attn = {id(layer.self_attn.attn) for layer in decoder_layers(target_model)}
         all_attn = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)
         self._draft_attn_layer_names = {
@@ -71,6 +71,14 @@ class SubSpecProposer(DraftModelProposer):
         }
         if len(self._draft_attn_layer_names) != len(target_attn):
             raise RuntimeError("vllm-subspec: could not map every decoder layer to its attention")
+        if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now
+            max_rows = self.vllm_config.scheduler_config.max_num_seqs * self.options.tree_width
+            substitutes.warm_up(max_rows, self.vllm_config.model_config.dtype, self.device)
+
+    def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
+        super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+        kv_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        logger.info(SubstituteSet.of(self.model.target).layout(kv_bytes))
 
     def initialize_cudagraph_keys(self, cudagraph_mode: CUDAGraphMode) -> None:
         # The draft loops over layers eagerly (the target's compiled graph spans all layers).
@@ -116,8 +124,8 @@ class SubSpecProposer(DraftModelProposer):
             drafts = self.draft_tree(cad, last_verified, next_token_ids)
         else:
             drafts = self.draft_chain(cad, last_verified, next_token_ids, num_speculative_tokens)
-        if drafts.is_cuda:
-            torch.cuda.synchronize()
+        if drafts.is_cuda:  # the compute stream only: the offloader's copy stream keeps going
+            torch.cuda.current_stream().synchronize()
         self.draft_seconds += time.perf_counter() - start
         self.draft_calls += 1
         return drafts

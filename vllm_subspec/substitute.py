@@ -203,9 +203,11 @@ def choose_kernel(qw: QuantizedWeight, device: torch.device, kernel: str = "auto
 class SubstituteLinear(torch.nn.Module):
     """Stands in for a vLLM linear inside the draft: same call convention, low-bit weights."""
 
-    def __init__(self, kernel, bias: torch.Tensor | None, source_name: str = ""):
+    def __init__(self, kernel, bias: torch.Tensor | None, source_name: str = "",
+                 in_features: int = 0):
         super().__init__()
         self.kernel = kernel
+        self.in_features = in_features
         # Biases are tiny; copy them so the substitute never reads offloaded memory.
         self.bias = None if bias is None else bias.detach().clone()
         self.source_name = source_name
@@ -216,9 +218,11 @@ class SubstituteLinear(torch.nn.Module):
             y = y + self.bias
         return y, None  # vLLM linears return (output, output_bias)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return self.kernel.tensors() + ([self.bias] if self.bias is not None else [])
+
     def nbytes(self) -> int:
-        ts = self.kernel.tensors() + ([self.bias] if self.bias is not None else [])
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def extra_repr(self) -> str:
         return f"{self.source_name}, kernel={self.kernel.name}"
@@ -233,4 +237,5 @@ def build_substitute_linear(linear: torch.nn.Module, device: torch.device, bits:
     qw = quantize(weight, bits=bits, group_size=group_size, method=quantizer)
     built = choose_kernel(qw, device, kernel)(qw, linear.weight.dtype)
     bias = getattr(linear, "bias", None)
-    return SubstituteLinear(built, None if bias is None else bias.data.to(device), name)
+    return SubstituteLinear(built, None if bias is None else bias.data.to(device), name,
+                            in_features=qw.shape[1])

@@ -31,28 +31,42 @@ class TreeVerifier:
         self.state = state  # TreeState shared with the proposer
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
-        if sampling_metadata.max_num_logprobs is not None:
-            raise NotImplementedError(
-                "vllm-subspec: logprobs are not supported with tree drafting yet; use "
-                "tree_width=1 (chain drafting) for requests that need logprobs")
         num_draft = list(metadata.num_draft_tokens)
         req_ids = self.runner.input_batch.req_ids[: len(num_draft)]
         rows = torch.tensor([n + 1 for n in num_draft])
         draws = draw_target_tokens(logits, rows, sampling_metadata).tolist()
 
-        out = torch.full((len(num_draft), max(num_draft) + 1), PLACEHOLDER, dtype=torch.int32)
+        width = max(num_draft) + 1
+        out = torch.full((len(num_draft), width), PLACEHOLDER, dtype=torch.int32)
+        # logits row at which each emitted token was drawn (for logprobs); padding reads row 0
+        drawn_at = torch.zeros((len(num_draft), width), dtype=torch.int64)
         start = 0
         for i, (req_id, n) in enumerate(zip(req_ids, num_draft)):
             target = draws[start: start + n + 1]
-            start += n + 1
             tree = self.state.trees.get(req_id) if n else None
             path = accepted_path(tree.tokens[: n + 1], tree.parents[: n + 1], target) \
                 if tree is not None else []
-            emitted = [target[0]] + [target[a] for a in path]
-            out[i, : len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
+            nodes = [0] + path  # emitted token j is the target's draw at nodes[j]
+            out[i, : len(nodes)] = torch.tensor([target[a] for a in nodes], dtype=torch.int32)
+            drawn_at[i, : len(nodes)] = start + torch.tensor(nodes)
+            start += n + 1
             if n:
                 self.state.accepted[req_id] = path
-        return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs = self._logprobs(logits, drawn_at, out, sampling_metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=logprobs)
+
+    def _logprobs(self, logits, drawn_at, tokens, max_num_logprobs):
+        """Logprobs of the emitted tokens (and the top ones) in vLLM's padded spec-decode
+        layout: one row per output slot, padding rows filtered out by vLLM's parse_output.
+        Raw logprobs (vLLM's default `logprobs_mode`), from the target's logits where each
+        token was drawn, as a plain engine reports them."""
+        sampler = self.runner.sampler
+        rows = logits[drawn_at.flatten().to(logits.device)].float()
+        values = rows if sampler.logprobs_mode == "raw_logits" else sampler.compute_logprobs(rows)
+        ids = tokens.flatten().clamp(min=0).to(torch.int64).to(logits.device)
+        return sampler.gather_logprobs(values, max_num_logprobs, ids)
 
 
 def draw_target_tokens(logits: torch.Tensor, rows_per_request: torch.Tensor,

@@ -1,0 +1,172 @@
+"""Speculative methods side by side on SmolLM2-135M-Instruct, vLLM CPU backend, greedy.
+
+Methods: plain decoding, vLLM's `ngram` and `suffix` (needs `pip install arctic-inference`;
+skipped with a note when missing), SubSpec chain and SubSpec tree. Workloads:
+- `mt_bench`: one question per MT-Bench category, both turns (the second turn continues the
+  conversation with the engine's own first answer);
+- held-out-style categories, first turns, drawn from MT-Bench's categories that match the
+  paper's extra benchmarks (no dataset downloads here): code (coding), math (math),
+  summarization (extraction: condense/extract from a given text), instruction (writing).
+Each (workload, turn) runs as one batch. Writes benchmarks/results/methods.{json,md,png}.
+
+    python benchmarks/methods.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from depth_sweep import RESULTS, environment  # noqa: E402
+
+METHODS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 2},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 16},
+    "subspec chain:8": {"method": "subspec", "num_speculative_tokens": 8,
+                        "substitute_layers": "all"},
+    "subspec tree:6x16": {"method": "subspec", "tree_width": 6, "tree_depth": 16,
+                          "substitute_layers": "all"},
+}
+HELD_OUT = {"code": "coding", "math": "math", "summarization": "extraction",
+            "instruction": "writing"}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--per-category", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    return ap.parse_args()
+
+
+def workloads(per_category: int) -> dict[str, list[list[str]]]:
+    """name -> questions, each a list of user turns (the reference's MT-Bench order)."""
+    from vllm_subspec.assets import mt_bench_questions
+
+    questions = mt_bench_questions()
+    first_of = {}
+    for q in questions:
+        first_of.setdefault(q["category"], q)
+    out = {"mt_bench": [q["turns"] for q in first_of.values()]}
+    used = {id(q) for q in first_of.values()}
+    for name, category in HELD_OUT.items():
+        pool = [q for q in questions if q["category"] == category and id(q) not in used]
+        out[name] = [q["turns"][:1] for q in pool[:per_category]]
+    return out
+
+
+def run_method(model: str, spec: dict | None, loads: dict, max_tokens: int) -> dict:
+    import gc
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_subspec.harness import CPU_ENGINE_KWARGS, timed_generate
+    from vllm_subspec.metrics import AcceptanceStats
+
+    tok = AutoTokenizer.from_pretrained(model)
+    llm = LLM(model=model, speculative_config=spec, enforce_eager=True,
+              max_num_batched_tokens=16384, **CPU_ENGINE_KWARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    try:
+        timed_generate(llm, [tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                                     tokenize=False)], params, spec=bool(spec))
+        results = {}
+        for name, questions in loads.items():
+            history = [[] for _ in questions]
+            tokens, seconds, stats = 0, 0.0, AcceptanceStats()
+            for turn in range(max(len(q) for q in questions)):
+                active = [i for i, q in enumerate(questions) if turn < len(q)]
+                for i in active:
+                    history[i].append({"role": "user", "content": questions[i][turn]})
+                prompts = [tok.apply_chat_template(history[i], tokenize=False,
+                                                   add_generation_prompt=True) for i in active]
+                r = timed_generate(llm, prompts, params, spec=bool(spec))
+                for i, text in zip(active, r.texts):
+                    history[i].append({"role": "assistant", "content": text})
+                tokens, seconds, stats = tokens + r.num_tokens, seconds + r.seconds, stats + r.stats
+            results[name] = {"tau": stats.tau if spec else 1.0, "tokens": tokens,
+                             "seconds": seconds, "tokens_per_second": tokens / seconds,
+                             "acceptance_per_position": stats.acceptance_rate_per_position}
+        return results
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def suffix_available() -> bool:
+    try:
+        import arctic_inference  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def markdown(report: dict) -> str:
+    loads = list(report["workloads"])
+    lines = [
+        "# Speculative methods on SmolLM2-135M-Instruct (vLLM CPU backend, greedy)", "",
+        f"Command: `{report['command']}`; {report['max_tokens']} new tokens per turn, each "
+        "(workload, turn) as one batch, enforce_eager.", "",
+        "τ (tokens per verify step) / tokens per second:", "",
+        "| method | " + " | ".join(loads) + " |", "|---|" + "---|" * len(loads),
+    ]
+    for method, res in report["results"].items():
+        if "skipped" in res:
+            lines.append(f"| {method} | " + " | ".join(["skipped"] * len(loads)) + " |")
+            continue
+        lines.append(f"| {method} | " + " | ".join(
+            f"{res[w]['tau']:.2f} / {res[w]['tokens_per_second']:.1f}" for w in loads) + " |")
+    lines += ["", "Acceptance by position on mt_bench:", ""]
+    for method, res in report["results"].items():
+        if "skipped" not in res and res["mt_bench"]["acceptance_per_position"]:
+            rates = " ".join(f"{x:.2f}" for x in res["mt_bench"]["acceptance_per_position"])
+            lines.append(f"- {method}: {rates}")
+    skipped = {m: r["skipped"] for m, r in report["results"].items() if "skipped" in r}
+    lines += [f"- {m}: skipped ({why})" for m, why in skipped.items()]
+    env = report["environment"]
+    lines += ["", "Workloads: " + "; ".join(f"{w}: {n} questions" for w, n in
+                                            report["workloads"].items()),
+              f"Machine: {env['cpu']}, {env['cores']} cores, OMP_NUM_THREADS="
+              f"{env['omp_threads']}; torch {env['torch']}, vLLM {env['vllm']}; {env['date']}.",
+              "On CPU nothing is offloaded and a verify pass costs in proportion to its tokens, "
+              "so tokens/s here rewards cheap drafts; the offloaded GPU setting SubSpec is built "
+              "for rewards τ (see docs/results.md for the projection).", "",
+              f"![methods]({report['name']}.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    args = parse_args()
+    from plots import plot_methods
+
+    from vllm_subspec.assets import smollm2_path
+
+    model = smollm2_path()
+    loads = workloads(args.per_category)
+    report = {"name": "methods", "command": "python " + " ".join(sys.argv),
+              "max_tokens": args.max_tokens, "environment": environment(),
+              "workloads": {w: len(q) for w, q in loads.items()}, "results": {}}
+    for method in args.methods:
+        if method == "suffix" and not suffix_available():
+            report["results"][method] = {"skipped": "arctic-inference not installed"}
+            continue
+        report["results"][method] = run_method(model, METHODS[method], loads, args.max_tokens)
+        print(method, {w: round(r["tau"], 2) for w, r in report["results"][method].items()},
+              flush=True)
+        out = RESULTS / report["name"]
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        out.with_suffix(".md").write_text(markdown(report))
+        plot_methods(report, out.with_suffix(".png"))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

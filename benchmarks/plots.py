@@ -1,0 +1,87 @@
+"""PNG figures for the benchmark results (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_depth(report: dict, path: Path) -> None:
+    """τ vs depth (chain vs tree) and the draft / verify share of a step per depth."""
+    plt = _pyplot()
+    fig, (ax_tau, ax_share) = plt.subplots(1, 2, figsize=(11, 4))
+    for kind, marker in (("chain", "o"), ("tree", "s")):
+        runs = sorted((r for r in report["runs"] if r["config"].startswith(kind)),
+                      key=lambda r: r["depth"])
+        if runs:
+            ax_tau.plot([r["depth"] for r in runs], [r["tau"] for r in runs], marker=marker,
+                        label=runs[0]["config"].split(":")[0] + (
+                            f" (k={runs[0]['config'].split(':')[1].split('x')[0]})"
+                            if kind == "tree" else " (k=1)"))
+    ax_tau.set(xlabel="draft depth D", ylabel="τ (tokens per verify step)",
+               title="τ vs depth")
+    ax_tau.legend()
+    ax_tau.grid(alpha=0.3)
+    runs = sorted(report["runs"], key=lambda r: (r["config"].split(":")[0], r["depth"]))
+    labels = [r["config"] for r in runs]
+    draft = [r["draft_seconds_per_step"] for r in runs]
+    other = [r["other_seconds_per_step"] for r in runs]
+    total = [d + o or 1.0 for d, o in zip(draft, other)]
+    ax_share.bar(labels, [d / t for d, t in zip(draft, total)], label="speculate (draft)")
+    ax_share.bar(labels, [o / t for o, t in zip(other, total)],
+                 bottom=[d / t for d, t in zip(draft, total)], label="verify + rest")
+    ax_share.set(ylabel="share of step time", title="speculate vs verify (CPU)")
+    ax_share.tick_params(axis="x", rotation=45)
+    ax_share.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_methods(report: dict, path: Path) -> None:
+    """τ and tokens/s of every method on every workload."""
+    plt = _pyplot()
+    results = {m: r for m, r in report["results"].items() if "skipped" not in r}
+    loads = list(report["workloads"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(len(results), 1)
+    for key, ax, title in (("tau", axes[0], "τ (tokens per verify step)"),
+                           ("tokens_per_second", axes[1], "tokens/s (CPU, no offload)")):
+        for i, (method, res) in enumerate(results.items()):
+            ax.bar([j + i * width for j in range(len(loads))], [res[w][key] for w in loads],
+                   width, label=method)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))], loads)
+        ax.set(title=title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_projection(rows: list[dict], path: Path) -> None:
+    """PROJECTED speed-up vs depth for each GPU setting (a model, not a measurement)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    settings = list(rows[0]["projected"]) if rows else []
+    for kind, style in (("chain", "--"), ("tree", "-")):
+        runs = sorted((r for r in rows if r["config"].startswith(kind)), key=lambda r: r["depth"])
+        for s in settings:
+            if runs:
+                ax.plot([r["depth"] for r in runs], [r["projected"][s] for r in runs], style,
+                        marker="o", label=f"{kind}, {s}")
+    ax.set(xlabel="draft depth D", ylabel="PROJECTED speed-up vs plain offload",
+           title="PROJECTED GPU speed-up from measured τ")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
