@@ -41,6 +41,12 @@ def parse_args():
     ap.add_argument("--projection", action="store_true",
                     help="run nothing: turn results/<name>.json's measured τ into PROJECTED GPU "
                     "speed-ups (benchmarks/projection.py) -> results/<name>_projection.*")
+    ap.add_argument("--bandwidths", type=float, nargs="+", default=[25.0, 12.0, 50.0],
+                    help="--projection: host-to-device GB/s to project for")
+    ap.add_argument("--memory-gb", type=float, nargs="+", default=[8.0, 12.0],
+                    help="--projection: GPU memory limits to project for (7B model)")
+    ap.add_argument("--draft-pass-ms", type=float, default=11.0,
+                    help="--projection: GPU time of one draft pass (paper: ~11 ms for 7B)")
     return ap.parse_args()
 
 
@@ -127,15 +133,17 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_projection(name: str) -> None:
+def write_projection(args) -> None:
     from plots import plot_projection
-    from projection import projection_markdown, projection_rows
+    from projection import projection_markdown, projection_rows, settings_grid
 
-    report = json.loads((RESULTS / name).with_suffix(".json").read_text())
-    rows = projection_rows(report["runs"])
-    out = RESULTS / f"{name}_projection"
+    settings = settings_grid(args.bandwidths, args.memory_gb, draft_pass_ms=args.draft_pass_ms)
+    report = json.loads((RESULTS / args.name).with_suffix(".json").read_text())
+    rows = projection_rows(report["runs"], settings)
+    out = RESULTS / f"{args.name}_projection"
     out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
-    md = projection_markdown(rows, f"`{report['command']}`")
+    md = projection_markdown(rows, f"`{report['command']}`", settings)
+    md += f"\nCommand: `python {' '.join(sys.argv)}`\n"
     out.with_suffix(".md").write_text(md + f"\n![projection]({out.name}.png)\n")
     plot_projection(rows, out.with_suffix(".png"))
     print(md)
@@ -144,7 +152,7 @@ def write_projection(name: str) -> None:
 def main():
     args = parse_args()
     if args.projection:
-        return write_projection(args.name)
+        return write_projection(args)
     from vllm import SamplingParams
 
     from vllm_subspec.assets import chat_prompts, mt_bench_prompts, smollm2_path

@@ -33,6 +33,9 @@ METHODS = {
     "subspec tree:6x16": {"method": "subspec", "tree_width": 6, "tree_depth": 16,
                           "substitute_layers": "all"},
 }
+# draft passes per step and whether the drafter holds substitutes (for the projection)
+DRAFT_COST = {"plain": (0, False), "ngram": (0, False), "suffix": (0, False),
+              "subspec chain:8": (8, True), "subspec tree:6x16": (16, True)}
 HELD_OUT = {"code": "coding", "math": "math", "summarization": "extraction",
             "instruction": "writing"}
 
@@ -42,6 +45,8 @@ def parse_args():
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--markdown-only", action="store_true",
+                    help="rewrite results/methods.{md,png} from results/methods.json")
     return ap.parse_args()
 
 
@@ -126,9 +131,19 @@ def markdown(report: dict) -> str:
             f"{res[w]['tau']:.2f} / {res[w]['tokens_per_second']:.1f}" for w in loads) + " |")
     lines += ["", "Acceptance by position on mt_bench:", ""]
     for method, res in report["results"].items():
-        if "skipped" not in res and res["mt_bench"]["acceptance_per_position"]:
-            rates = " ".join(f"{x:.2f}" for x in res["mt_bench"]["acceptance_per_position"])
+        rates = res.get("mt_bench", {}).get("acceptance_per_position", [])
+        while rates and rates[-1] == 0:  # a tree's counter has D*k slots, only D can be used
+            rates = rates[:-1]
+        if rates:
+            rates = " ".join(f"{x:.2f}" for x in rates)
             lines.append(f"- {method}: {rates}")
+    from projection import SETTINGS, projection_markdown, projection_rows
+
+    runs = [{"config": m, "tau": r["mt_bench"]["tau"], "depth": DRAFT_COST[m][0],
+             "substitutes": DRAFT_COST[m][1]}
+            for m, r in report["results"].items() if "skipped" not in r]
+    projection = projection_markdown(projection_rows(runs, SETTINGS[:3]), "mt_bench column",
+                                     SETTINGS[:3])
     skipped = {m: r["skipped"] for m, r in report["results"].items() if "skipped" in r}
     lines += [f"- {m}: skipped ({why})" for m, why in skipped.items()]
     env = report["environment"]
@@ -139,7 +154,7 @@ def markdown(report: dict) -> str:
               "On CPU nothing is offloaded and a verify pass costs in proportion to its tokens, "
               "so tokens/s here rewards cheap drafts; the offloaded GPU setting SubSpec is built "
               "for rewards τ (see docs/results.md for the projection).", "",
-              f"![methods]({report['name']}.png)"]
+              f"![methods]({report['name']}.png)", "", projection]
     return "\n".join(lines) + "\n"
 
 
@@ -149,6 +164,11 @@ def main():
 
     from vllm_subspec.assets import smollm2_path
 
+    out = RESULTS / "methods"
+    if args.markdown_only:
+        report = json.loads(out.with_suffix(".json").read_text())
+        out.with_suffix(".md").write_text(markdown(report))
+        return plot_methods(report, out.with_suffix(".png"))
     model = smollm2_path()
     loads = workloads(args.per_category)
     report = {"name": "methods", "command": "python " + " ".join(sys.argv),
@@ -161,7 +181,6 @@ def main():
         report["results"][method] = run_method(model, METHODS[method], loads, args.max_tokens)
         print(method, {w: round(r["tau"], 2) for w, r in report["results"][method].items()},
               flush=True)
-        out = RESULTS / report["name"]
         out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
         out.with_suffix(".md").write_text(markdown(report))
         plot_methods(report, out.with_suffix(".png"))

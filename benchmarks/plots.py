@@ -61,8 +61,9 @@ def plot_methods(report: dict, path: Path) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))], loads)
         ax.set(title=title)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

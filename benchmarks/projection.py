@@ -40,27 +40,33 @@ class GpuSetting:
         return self.target_compute_ms + 1e3 * self.offloaded_gb(subspec) / self.bandwidth_gbps
 
 
-def projected_speedup(tau: float, draft_passes: int, gpu: GpuSetting) -> float:
-    """Projected SubSpec / plain-offload tokens per second (see the module docstring)."""
+def projected_speedup(tau: float, draft_passes: int, gpu: GpuSetting,
+                      substitutes: bool = True) -> float:
+    """Projected tokens per second relative to plain offloading (see the module docstring).
+    `substitutes=False` for drafters that take no GPU memory (ngram, suffix: draft cost ~0)."""
     draft_ms = draft_passes * gpu.draft_pass_ms
     overlap_ms = min(draft_ms, 1e3 * gpu.prefetch_gb / gpu.bandwidth_gbps)
-    step_ms = draft_ms + gpu.target_ms(subspec=True) - overlap_ms
+    step_ms = draft_ms + gpu.target_ms(subspec=substitutes) - overlap_ms
     return tau * gpu.target_ms(subspec=False) / step_ms
 
 
-# Memory limits and links the projection tables sweep (the paper: 8 GB / PCIe 4 for 7B models).
-SETTINGS = [
-    GpuSetting("7B, 8 GB, PCIe 4 (25 GB/s)"),
-    GpuSetting("7B, 8 GB, PCIe 3 (12 GB/s)", bandwidth_gbps=12.0),
-    GpuSetting("7B, 8 GB, PCIe 5 (50 GB/s)", bandwidth_gbps=50.0),
-    GpuSetting("7B, 12 GB, PCIe 4 (25 GB/s)", memory_gb=12.0),
-]
+def settings_grid(bandwidths_gbps=(25.0, 12.0, 50.0), memories_gb=(8.0, 12.0),
+                  **fixed) -> list[GpuSetting]:
+    """A Qwen2.5-7B-sized setting per (memory limit, host-to-device bandwidth)."""
+    return [GpuSetting(f"7B, {m:g} GB, {b:g} GB/s", memory_gb=m, bandwidth_gbps=b, **fixed)
+            for m in memories_gb for b in bandwidths_gbps]
+
+
+# The paper's setting first (8 GB, PCIe 4 ~25 GB/s), then slower/faster links and more memory.
+SETTINGS = settings_grid()
 
 
 def projection_rows(runs: list[dict], settings=SETTINGS) -> list[dict]:
     """One row per measured run: its τ and depth (draft passes per step) -> projected speed-ups."""
     return [{"config": r["config"], "tau": r["tau"], "depth": r["depth"],
-             "projected": {s.name: projected_speedup(r["tau"], r["depth"], s) for s in settings}}
+             "projected": {s.name: projected_speedup(r["tau"], r["depth"], s,
+                                                     r.get("substitutes", True))
+                           for s in settings}}
             for r in runs]
 
 

@@ -3,7 +3,6 @@
 These build vLLM's engine config only (EngineArgs.create_engine_config): no engine starts.
 """
 
-import json
 import os
 import re
 import shutil
@@ -98,7 +97,8 @@ def moe_model(tmp_path_factory):
 @pytest.mark.parametrize("model, spec, message", [
     ("tiny", '{"method": "subspec", "tree_widht": 6}',
      "vllm-subspec: unknown speculative_config key(s) ['tree_widht']"),
-    ("tiny", '{"method": "subspec", "tree_width": 0}', "vllm-subspec: invalid speculative_config: tree_width must be an integer"),
+    ("tiny", '{"method": "subspec", "tree_width": 0}',
+     "vllm-subspec: invalid speculative_config: tree_width must be an integer"),
     ("tiny", '{"method": "subspec", tree', "argument --speculative-config/-sc: Value"),
     ("moe", '{"method": "subspec"}', "vllm-subspec: unsupported architecture"),
 ], ids=["unknown_key", "impossible_value", "bad_json", "moe"])

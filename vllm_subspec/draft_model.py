@@ -46,10 +46,11 @@ class SubstituteSet:
         """The start-up summary: which layers are shared, which substituted, what it costs."""
         chosen = sorted(self.layers)
         resident = [i for i in range(self.num_layers) if i not in self.layers]
+        share = 100 * self.nbytes() / max(self.replaced_bytes, 1)
         return (f"vllm-subspec layout: {self.num_layers} layers; resident (shared) "
                 f"{_ranges(resident)}; substituted {_ranges(chosen)}; substitutes "
-                f"{self.nbytes() / 2**30:.3f} GiB ({100 * self.nbytes() / max(self.replaced_bytes, 1):.1f}% "
-                f"of the {self.replaced_bytes / 2**30:.3f} GiB they replace); KV cache "
+                f"{self.nbytes() / 2**30:.3f} GiB ({share:.1f}% of the "
+                f"{self.replaced_bytes / 2**30:.3f} GiB they replace); KV cache "
                 f"{kv_cache_bytes / 2**30:.3f} GiB")
 
     def warm_up(self, max_rows: int, dtype: torch.dtype, device: torch.device) -> None:
