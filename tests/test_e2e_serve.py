@@ -73,7 +73,7 @@ def servers(smollm2, tmp_path_factory):
         for name, (proc, base) in procs.items():
             wait_healthy(proc, base, logs / f"{name}.log")
         yield {name: OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-               for name, (_, base) in procs.items()}, smollm2, procs["subspec"][1]
+               for name, (_, base) in procs.items()}, smollm2, procs["subspec"][1], logs
     finally:
         for proc, _ in procs.values():
             proc.terminate()
@@ -90,7 +90,7 @@ def chat(client, model, question, **kw):
 
 
 def test_chat_greedy_matches_plain_and_metrics_report_tau(servers):
-    clients, model, base = servers
+    clients, model, base, _ = servers
     replies = {name: chat(c, model, QUESTIONS[0], temperature=0, max_tokens=64)
                for name, c in clients.items()}
     assert replies["subspec"].choices[0].message.content.strip()
@@ -106,7 +106,7 @@ def test_chat_greedy_matches_plain_and_metrics_report_tau(servers):
 
 
 def test_eight_concurrent_greedy_clients_get_the_plain_text(servers):
-    clients, model, _ = servers
+    clients, model, _, _ = servers
 
     def ask_all(client):
         with ThreadPoolExecutor(len(QUESTIONS)) as pool:
@@ -117,7 +117,7 @@ def test_eight_concurrent_greedy_clients_get_the_plain_text(servers):
 
 
 def test_completions_streaming_equals_non_streaming(servers):
-    clients, model, _ = servers
+    clients, model, _, _ = servers
     kw = dict(model=model, prompt="The three laws of robotics are", temperature=0,
               max_tokens=48)
     whole = clients["subspec"].completions.create(**kw)
@@ -133,7 +133,7 @@ def test_completions_streaming_equals_non_streaming(servers):
 
 
 def test_stop_strings_and_max_tokens(servers):
-    clients, model, _ = servers
+    clients, model, _, _ = servers
     kw = dict(model=model, prompt="Count: one, two, three,", temperature=0, max_tokens=64)
     stopped = {n: c.completions.create(stop=[" six"], **kw).choices[0]
                for n, c in clients.items()}
@@ -146,7 +146,7 @@ def test_stop_strings_and_max_tokens(servers):
 
 
 def test_n_and_seeds(servers):
-    clients, model, _ = servers
+    clients, model, _, _ = servers
     kw = dict(temperature=0.9, max_tokens=32, n=3, seed=1234)
     first = chat(clients["subspec"], model, QUESTIONS[4], **kw)
     again = chat(clients["subspec"], model, QUESTIONS[4], **kw)
@@ -158,7 +158,7 @@ def test_n_and_seeds(servers):
 
 
 def test_logprobs_match_plain(servers):
-    clients, model, _ = servers
+    clients, model, _, _ = servers
     kw = dict(model=model, prompt="The capital of Italy is", temperature=0, max_tokens=24,
               logprobs=3)
     got = {n: c.completions.create(**kw).choices[0].logprobs for n, c in clients.items()}
@@ -178,7 +178,7 @@ def test_logprobs_match_plain(servers):
 def test_server_survives_disconnect_and_overlong_prompt(servers):
     import openai
 
-    clients, model, _ = servers
+    clients, model, _, _ = servers
     client = clients["subspec"]
     stream = client.completions.create(model=model, prompt="Tell me a long story.",
                                        temperature=0, max_tokens=400, stream=True)
@@ -194,3 +194,14 @@ def test_server_survives_disconnect_and_overlong_prompt(servers):
     assert reply.choices[0].message.content == \
         chat(clients["plain"], model, QUESTIONS[5], temperature=0, max_tokens=32) \
         .choices[0].message.content
+
+
+def test_startup_log_reports_the_layout(servers):
+    *_, logs = servers
+    lines = [line for line in (logs / "subspec.log").read_text().splitlines()
+             if "vllm-subspec layout:" in line]
+    assert len(lines) == 1, lines
+    # CPU backend, substitute_layers "all": every layer substituted, KV cache as configured
+    assert "30 layers; resident (shared) none; substituted 0-29; substitutes " in lines[0]
+    kv_gib = float(re.search(r"KV cache ([0-9.]+) GiB$", lines[0]).group(1))
+    assert 0.2 < kv_gib <= 0.25  # --kv-cache-memory-bytes 256 MiB, in whole blocks

@@ -18,7 +18,7 @@ from torch import nn
 from vllm_subspec.config import SUBSTITUTE_LINEARS, SubSpecOptions
 from vllm_subspec.substitute import SubstituteLinear, build_substitute_linear
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
 _SUBSTITUTES_ATTR = "_subspec_substitutes"
 

@@ -22,7 +22,7 @@ from vllm_subspec.config import (
     options_from_vllm_config,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
 TESTED_VLLM = ((0, 32), (0, 34))  # [min, max): 0.32.0 ran end to end, 0.33 diffed
 _APPLIED: set[str] = set()

@@ -39,7 +39,7 @@ from vllm_subspec.draft_model import DraftModel, SubstituteSet, decoder_layers
 from vllm_subspec.tree import StoredTree, TreeBatch, TreeShape, TreeState, sharpened_log_probs
 from vllm_subspec.tree_attention import TreePlan, TreeRows
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
 
 class SubSpecProposer(DraftModelProposer):

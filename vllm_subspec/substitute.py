@@ -19,7 +19,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
 
 @dataclass
