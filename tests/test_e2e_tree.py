@@ -18,6 +18,10 @@ pytestmark = pytest.mark.e2e
 
 NUM_PROMPTS, NEW_TOKENS = 10, 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+# penalties act on the output so far, which for a tree node includes the node's path
+PENALIZED = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True,
+                           repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+NUM_PENALIZED = 5
 FP32 = dict(dtype="float32")
 
 
@@ -30,8 +34,9 @@ def prompts(smollm2):
 def plain(smollm2, prompts):
     llm = make_llm(smollm2, **FP32)
     result = timed_generate(llm, prompts, GREEDY, spec=False)
+    penalized = timed_generate(llm, prompts[:NUM_PENALIZED], PENALIZED, spec=False)
     shutdown(llm)
-    return result
+    return result, penalized
 
 
 def assert_identical(spec_ids, plain_ids):
@@ -46,10 +51,17 @@ def test_tree_greedy_identical(smollm2, prompts, plain, depth):
                              "substitute_layers": "all"}, **FP32)
     try:
         result = timed_generate(llm, prompts, GREEDY)
+        penalized = timed_generate(llm, prompts[:NUM_PENALIZED], PENALIZED) if depth == 8 \
+            else None
     finally:
         shutdown(llm)
+    plain_greedy, plain_penalized = plain
     assert all(len(t) == NEW_TOKENS for t in result.token_ids)
-    assert_identical(result.token_ids, plain.token_ids)
+    assert_identical(result.token_ids, plain_greedy.token_ids)
+    if penalized is not None:
+        unpenalized = [t[:len(p)] for t, p in zip(plain_greedy.token_ids, penalized.token_ids)]
+        assert penalized.token_ids != unpenalized  # the penalties change the output
+        assert_identical(penalized.token_ids, plain_penalized.token_ids)
     stats = result.stats
     # vLLM counts the tree's 6 * depth nodes as draft tokens; accepted ones form one path
     assert stats.num_draft_tokens == stats.num_drafts * 6 * depth

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from vllm_subspec.tree import TreeBatch, TreeShape, accepted_path, sharpened_log_probs
+from vllm_subspec.tree import (
+    StoredTree,
+    TreeBatch,
+    TreeShape,
+    accepted_path,
+    sharpened_log_probs,
+)
 from vllm_subspec.tree_attention import (
     CpuVecLayout,
     TreeRows,
@@ -88,6 +94,13 @@ def test_sample_then_match_walk(target, path):
     assert accepted_path(TOKENS, PARENTS, target) == path
     emitted = [target[0]] + [target[a] for a in path]
     assert len(emitted) == len(path) + 1
+
+
+def test_path_tokens_follow_parents_from_the_root():
+    tree = StoredTree(TOKENS, PARENTS, torch.ones(len(TOKENS), len(TOKENS), dtype=torch.bool))
+    assert tree.path_tokens(0) == []
+    assert tree.path_tokens(4) == [TOKENS[1], TOKENS[4]]
+    assert tree.path_tokens(2) == [TOKENS[2]]
 
 
 def test_walk_ignores_dead_nodes():

@@ -128,6 +128,15 @@ class StoredTree:
     parents: list[int]
     mask: torch.Tensor  # [n, n] ancestor-or-self
 
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from the root (exclusive) down to `node` (inclusive): what a request would
+        have generated after its last verified token if the walk reached `node`."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
 
 @dataclass
 class TreeState:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_subspec.tree import accepted_path
@@ -34,6 +35,8 @@ class TreeVerifier:
         num_draft = list(metadata.num_draft_tokens)
         req_ids = self.runner.input_batch.req_ids[: len(num_draft)]
         rows = torch.tensor([n + 1 for n in num_draft])
+        raw_logits = logits
+        logits = self._constrain(logits, rows, req_ids, num_draft, sampling_metadata)
         draws = draw_target_tokens(logits, rows, sampling_metadata).tolist()
 
         width = max(num_draft) + 1
@@ -54,8 +57,34 @@ class TreeVerifier:
                 self.state.accepted[req_id] = path
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
-            logprobs = self._logprobs(logits, drawn_at, out, sampling_metadata.max_num_logprobs)
+            logprobs = self._logprobs(raw_logits, drawn_at, out,
+                                      sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=logprobs)
+
+    def _constrain(self, logits, rows, req_ids, num_draft, sampling_metadata):
+        """What vLLM's rejection sampler applies to a chain's target logits, per tree node:
+        repetition/frequency/presence penalties over the request's output plus the node's path,
+        and allowed_token_ids. (Bad words and min_tokens are not applied to tree nodes.)"""
+        allowed = sampling_metadata.allowed_token_ids_mask
+        if sampling_metadata.no_penalties and allowed is None:
+            return logits
+        row_request = torch.repeat_interleave(torch.arange(len(num_draft)), rows) \
+            .to(logits.device)
+        logits = logits.to(torch.float32, copy=True)  # the raw logits stay for logprobs
+        if not sampling_metadata.no_penalties:
+            histories = []
+            for i, (req_id, n) in enumerate(zip(req_ids, num_draft)):
+                done = list(sampling_metadata.output_token_ids[i])
+                tree = self.state.trees.get(req_id) if n else None
+                histories += [done + (tree.path_tokens(r) if tree else []) for r in range(n + 1)]
+            logits = apply_all_penalties(
+                logits, sampling_metadata.prompt_token_ids[row_request],
+                sampling_metadata.presence_penalties[row_request],
+                sampling_metadata.frequency_penalties[row_request],
+                sampling_metadata.repetition_penalties[row_request], histories)
+        if allowed is not None:
+            logits.masked_fill_(allowed[row_request], float("-inf"))
+        return logits
 
     def _logprobs(self, logits, drawn_at, tokens, max_num_logprobs):
         """Logprobs of the emitted tokens (and the top ones) in vLLM's padded spec-decode
