@@ -67,7 +67,8 @@ def h2d_bandwidth_gbps(gib: float = 1.0) -> float:
     return 3 * src.numel() / (time.perf_counter() - start) / 1e9
 
 
-def weights_gb(model: str) -> float:
+def model_size(model: str) -> tuple[float, int]:
+    """(bf16 weight GB, decoder layers) from the model's config."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model)
@@ -75,7 +76,7 @@ def weights_gb(model: str) -> float:
     kv = h // c.num_attention_heads * c.num_key_value_heads
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i
     embeds = v * h * (1 if c.tie_word_embeddings else 2)
-    return 2 * (n * per_layer + embeds) / 1e9
+    return 2 * (n * per_layer + embeds) / 1e9, n
 
 
 def main():
@@ -88,12 +89,11 @@ def main():
     dummy = args.model is None
     model = args.model or random_qwen_7b()
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    w_gb = weights_gb(model)
+    w_gb, n_layers = model_size(model)
     offload_gb = max(0.0, w_gb - (args.memory_gb - args.reserved_gb))
     if args.offload_backend == "uva":
         offload = dict(cpu_offload_gb=offload_gb * 1e9 / 2**30)
     else:  # prefetch: offload 1 of every `group` layers, as many as the limit needs
-        n_layers = QWEN25_7B["num_hidden_layers"]
         group = max(1, round(n_layers / max(1, round(n_layers * offload_gb / w_gb))))
         offload = dict(offload_backend="prefetch", offload_group_size=group,
                        offload_num_in_group=1, offload_prefetch_step=1)

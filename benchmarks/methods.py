@@ -67,12 +67,10 @@ def workloads(per_category: int) -> dict[str, list[list[str]]]:
 
 
 def run_method(model: str, spec: dict | None, loads: dict, max_tokens: int) -> dict:
-    import gc
-
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_subspec.harness import CPU_ENGINE_KWARGS, timed_generate
+    from vllm_subspec.harness import CPU_ENGINE_KWARGS, shutdown_engine, timed_generate
     from vllm_subspec.metrics import AcceptanceStats
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -101,9 +99,7 @@ def run_method(model: str, spec: dict | None, loads: dict, max_tokens: int) -> d
                              "acceptance_per_position": stats.acceptance_rate_per_position}
         return results
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        shutdown_engine(llm)
 
 
 def suffix_available() -> bool:

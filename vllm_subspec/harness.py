@@ -55,6 +55,13 @@ def timed_generate(llm, prompts, sampling_params, spec: bool = True,
     )
 
 
+def shutdown_engine(llm) -> None:
+    """Stop an `LLM`'s engine core (and its worker processes) now, not at garbage collection,
+    so the next engine in this process gets the memory."""
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
 def count_identical(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b))
 
@@ -113,6 +120,4 @@ def run_engine(model: str, prompts, sampling_params, speculative_config=None,
             batched = timed_generate(llm, prompts, full, spec=spec)
         return EngineRun(timed, batched, after[0] - before[0], after[1] - before[1])
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        shutdown_engine(llm)

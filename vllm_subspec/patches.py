@@ -48,7 +48,7 @@ def _wrap(owner, attr: str, make_wrapper, patch_id: str) -> None:
 # the GPU-token drafting path and vLLM's rejection sampler. Only the target's HF config is read.
 def translate_speculative_config(spec: dict, additional_config: dict | None,
                                  target_model_config, target_parallel_config
-                                 ) -> tuple[dict, dict]:
+                                 ) -> tuple[dict, dict, SubSpecOptions]:
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     spec.pop("method")
     model = spec.pop("model", None)
@@ -64,6 +64,11 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
         target_parallel_config.tensor_parallel_size,
         target_parallel_config.pipeline_parallel_size,
     )
+    logprobs_mode = str(target_model_config.logprobs_mode)
+    if options.is_tree and logprobs_mode.startswith("processed"):
+        raise SubSpecConfigError(
+            f"logprobs_mode {logprobs_mode!r} is not supported with tree drafting "
+            "(raw_logprobs and raw_logits are); use tree_width=1")
     import vllm.envs as envs
 
     if envs.VLLM_USE_V2_MODEL_RUNNER:
@@ -79,7 +84,7 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
         # them and schedules them for verification (see tree_verify hooks below).
         "num_speculative_tokens": options.num_draft_tokens,
     }
-    return vllm_spec, additional
+    return vllm_spec, additional, options
 
 
 def tree_cudagraph_mode(requested):
@@ -103,15 +108,11 @@ def _patch_create_speculative_config() -> None:
         def create_speculative_config(self, target_model_config, target_parallel_config):
             spec = self.speculative_config
             if isinstance(spec, dict) and spec.get("method") == METHOD:
-                self.speculative_config, self.additional_config = translate_speculative_config(
-                    spec, self.additional_config, target_model_config, target_parallel_config)
                 from vllm.platforms import current_platform
 
-                options = SubSpecOptions.from_dict(self.additional_config[ADDITIONAL_CONFIG_KEY])
-                if options.is_tree and str(self.logprobs_mode).startswith("processed"):
-                    raise SubSpecConfigError(
-                        f"logprobs_mode {self.logprobs_mode!r} is not supported with tree "
-                        "drafting (raw_logprobs and raw_logits are); use tree_width=1")
+                self.speculative_config, self.additional_config, options = \
+                    translate_speculative_config(spec, self.additional_config,
+                                                 target_model_config, target_parallel_config)
                 if options.is_tree and current_platform.is_cuda_alike():
                     self.compilation_config.cudagraph_mode = tree_cudagraph_mode(
                         self.compilation_config.cudagraph_mode)

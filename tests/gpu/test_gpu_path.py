@@ -5,7 +5,6 @@ SmolLM2-135M-Instruct is small, so the offload budgets below are small too: what
 that the substituted layers are exactly the offloaded ones and that greedy output is unchanged.
 """
 
-import gc
 import os
 
 import pytest
@@ -55,6 +54,7 @@ def _generate(prompts, spec, offload, enforce_eager):
     from vllm import LLM, SamplingParams
 
     from vllm_subspec.assets import smollm2_path
+    from vllm_subspec.harness import shutdown_engine
 
     llm = LLM(model=smollm2_path(), speculative_config=spec, enforce_eager=enforce_eager,
               gpu_memory_utilization=0.3, max_model_len=2048, seed=0, **OFFLOAD[offload])
@@ -64,9 +64,7 @@ def _generate(prompts, spec, offload, enforce_eager):
         layout = llm.collective_rpc(_layout)[0] if spec else None
         return [list(o.outputs[0].token_ids) for o in out], layout
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        shutdown_engine(llm)
         torch.cuda.empty_cache()
 
 
