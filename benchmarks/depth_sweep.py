@@ -11,6 +11,8 @@ Writes benchmarks/results/<name>.{json,md}.
         --configs chain:8 chain:16 chain:48 tree:6x8 tree:6x16 tree:6x32 tree:6x48
     # PROJECTED GPU speed-ups from a finished sweep's τ (runs no engine)
     python benchmarks/depth_sweep.py --name tree_depth --projection
+    # Qwen2.5-Coder-1.5B-Instruct (28 layers), paper-like residency: the first 17 substituted
+    python benchmarks/depth_sweep.py --model qwen-coder-1.5b --substitute-layers first:17 ...
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent))  # plots, projection
+sys.path.insert(0, str(RESULTS.parent.parent))  # subspec_testing (repo root)
 
 
 def parse_args():
@@ -34,10 +37,29 @@ def parse_args():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batched", action="store_true",
                     help="time all prompts as one batch (default: one request at a time)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="float32 for trees on AMX CPUs: vLLM's bf16 KV layout there ('amx') is "
+                    "one tree attention cannot read")
     ap.add_argument("--skip-identity", action="store_true",
                     help="skip the batched token-identity run (halves the time)")
     ap.add_argument("--name", default="chain_depth")
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2 (SmolLM2-135M-Instruct), qwen-coder-1.5b "
+                    "(Qwen2.5-Coder-1.5B-Instruct, fetched on first use) or a model folder")
+    ap.add_argument("--substitute-layers", default="all",
+                    help="all, first:N (layers 0..N-1; the rest stay full precision, like the "
+                    "paper's resident layers) or comma-separated indices")
+    ap.add_argument("--quantizer", default="hqq", choices=["hqq", "rtn"],
+                    help="how substitutes are built (rtn: round-to-nearest, a weaker draft that "
+                    "builds in seconds)")
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="fixed KV cache size (default: vLLM's share of RAM, which a 1.5B fp32 "
+                    "model on a small machine can exceed)")
+    ap.add_argument("--append", action="store_true",
+                    help="add the configs' runs to an existing results/<name>.json (same "
+                    "workload; its plain run is reused), e.g. to run configs in priority order")
+    ap.add_argument("--no-plain", action="store_true",
+                    help="skip the plain engine (no identity check, no tokens/s baseline)")
     ap.add_argument("--projection", action="store_true",
                     help="run nothing: turn results/<name>.json's measured τ into PROJECTED GPU "
                     "speed-ups (benchmarks/projection.py) -> results/<name>_projection.*")
@@ -50,14 +72,33 @@ def parse_args():
     return ap.parse_args()
 
 
-def spec_config(config: str) -> dict:
+def substitute_layers(spec: str):
+    """"all" | "first:N" | "0,1,5" -> the speculative_config value."""
+    if spec == "all":
+        return "all"
+    if spec.startswith("first:"):
+        return list(range(int(spec.split(":")[1])))
+    return [int(i) for i in spec.split(",")]
+
+
+def spec_config(config: str, layers="all", quantizer: str = "hqq") -> dict:
     kind, _, size = config.partition(":")
     if kind == "chain":
         return {"method": "subspec", "num_speculative_tokens": int(size),
-                "substitute_layers": "all"}
+                "substitute_layers": layers, "quantizer": quantizer}
     width, depth = (int(x) for x in size.split("x"))
     return {"method": "subspec", "tree_width": width, "tree_depth": depth,
-            "substitute_layers": "all"}
+            "substitute_layers": layers, "quantizer": quantizer}
+
+
+def model_path(name: str) -> str:
+    from subspec_testing import assets
+
+    if name == "smollm2":
+        return assets.smollm2_path()
+    if name == "qwen-coder-1.5b":
+        return assets.qwen_coder_1p5b_path()
+    return name
 
 
 def environment() -> dict:
@@ -72,15 +113,21 @@ def environment() -> dict:
 
 
 def run(model, prompts, params, spec, args) -> dict:
-    from vllm_subspec.harness import run_engine
+    from subspec_testing.harness import run_engine
 
     # a batch big enough that vLLM never trims a request's tree to fit its token budget
     r = run_engine(model, prompts, params, spec, one_at_a_time=not args.batched,
                    identity_run=not args.skip_identity, dtype=args.dtype,
-                   max_num_batched_tokens=16384)
+                   max_num_batched_tokens=16384, **kv_kwargs(args))
     t, steps = r.timed, r.draft_steps
     return {
         "tau": t.stats.tau, "tokens": t.num_tokens, "seconds": t.seconds,
+        # vLLM counts a step's accepted drafts before max_tokens/EOS truncate them; tokens
+        # actually emitted per verify step (the first token of each request comes from prefill)
+        # is a lower bound that matters when max_tokens is not much larger than the depth.
+        "num_drafts": t.stats.num_drafts,
+        "tau_emitted": ((t.num_tokens - len(prompts)) / t.stats.num_drafts
+                        if t.stats.num_drafts else 1.0),
         "tokens_per_second": t.tokens_per_second,
         "acceptance_per_depth": t.stats.acceptance_rate_per_position,
         "steps": steps, "draft_seconds_per_step": r.draft_seconds / steps if steps else 0.0,
@@ -89,15 +136,25 @@ def run(model, prompts, params, spec, args) -> dict:
     }
 
 
+def kv_kwargs(args) -> dict:
+    gb = getattr(args, "kv_cache_gb", None)
+    return {"kv_cache_memory_bytes": int(gb * 2**30)} if gb else {}
+
+
 def identical(run: dict, workload: dict) -> str:
     return "-" if run["identical"] == "-" else f"{run['identical']}/{workload['prompts']}"
+
+
+def emitted(r: dict) -> str:
+    return f" (emitted {r['tau_emitted']:.2f})" if "tau_emitted" in r else ""
 
 
 def markdown(report: dict) -> str:
     w = report["workload"]
     lines = [
         f"# SubSpec depth sweep: `{report['name']}` (vLLM CPU backend)", "",
-        f"`{Path(w['model']).name}`, all layers substituted (4-bit HQQ g64), {w['prompts']} "
+        f"`{Path(w['model']).name}`, {w.get('substituted', 'all layers')} substituted (4-bit "
+        f"{w.get('quantizer', 'hqq').upper()} g64, the rest full precision), {w['prompts']} "
         f"MT-Bench first turns, greedy, <= {w['max_tokens']} new tokens, dtype {w['dtype']}, "
         f"{'all prompts as one batch' if w['batched'] else 'one request at a time'}, "
         "enforce_eager.", "",
@@ -106,20 +163,26 @@ def markdown(report: dict) -> str:
         "| acceptance by depth |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    base = report["plain"]["tokens_per_second"]
-    lines.append(f"| plain | 1.00 | {base:.1f} | 1.00x | - | - | - | - |")
+    base = (report.get("plain") or {}).get("tokens_per_second")
+    if base:
+        lines.append(f"| plain | 1.00 | {base:.1f} | 1.00x | - | - | - | - |")
     for r in report["runs"]:
         depth = r["depth"]
         rates = " ".join(f"{x:.2f}" for x in r["acceptance_per_depth"][:depth])
+        vs_plain = f"{r['tokens_per_second'] / base:.2f}x" if base else "-"
         lines.append(
-            f"| {r['config']} | {r['tau']:.2f} | {r['tokens_per_second']:.1f} | "
-            f"{r['tokens_per_second'] / base:.2f}x | {r['draft_seconds_per_step']:.3f} | "
+            f"| {r['config']} | {r['tau']:.2f}{emitted(r)} | {r['tokens_per_second']:.1f} | "
+            f"{vs_plain} | "
+            f"{r['draft_seconds_per_step']:.3f} | "
             f"{r['other_seconds_per_step']:.3f} | {identical(r, w)} | {rates} |")
     env = report["environment"]
     lines += [
         "", f"Machine: {env['cpu']}, {env['cores']} cores, OMP_NUM_THREADS={env['omp_threads']}; "
         f"torch {env['torch']}, vLLM {env['vllm']}; {env['date']}.", "",
-        "- τ = tokens emitted per verify step (accepted draft tokens + 1), from vLLM's metrics.",
+        "- τ = accepted draft tokens per verify step + 1, from vLLM's metrics (which count a "
+        "step's accepted drafts before max_tokens/EOS cut them); 'emitted': tokens actually "
+        "output per verify step, a lower bound (the last step of each request is cut short). "
+        "They differ when max_tokens is not much larger than the depth.",
         "- draft s/step: SubSpecProposer time per step; verify+rest: the remainder of the step "
         "(target forward, sampling, scheduling).",
         "- identical ('-': not checked, --skip-identity): token ids equal to the plain engine "
@@ -155,26 +218,47 @@ def main():
         return write_projection(args)
     from vllm import SamplingParams
 
-    from vllm_subspec.assets import chat_prompts, mt_bench_prompts, smollm2_path
-    from vllm_subspec.harness import count_identical
+    from subspec_testing.assets import chat_prompts, mt_bench_prompts
 
-    model = smollm2_path()
+    model = model_path(args.model)
     prompts = chat_prompts(model, mt_bench_prompts(args.prompts))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    plain = run(model, prompts, params, None, args)
+    layers = substitute_layers(args.substitute_layers)
+    substituted = ("all layers" if layers == "all" else
+                   f"layers {args.substitute_layers.replace('first:', 'first ')}")
+    previous = RESULTS / f"{args.name}.json"
+    if args.append and previous.exists():
+        report = json.loads(previous.read_text())
+        w = report["workload"]
+        if (w["model"], w["prompts"], w["max_tokens"], w["batched"], w["dtype"],
+                w.get("substituted", "all layers"), w.get("quantizer", "hqq")) != (
+                model, args.prompts, args.max_tokens, args.batched, args.dtype, substituted,
+                args.quantizer):
+            raise SystemExit(f"--append: {previous} has a different workload: {w}")
+        report["command"] += " && python " + " ".join(sys.argv)
+        return sweep(report, model, prompts, params, layers, None, args)
+    plain = None if args.no_plain else run(model, prompts, params, None, args)
     report = {
         "name": args.name, "command": "python " + " ".join(sys.argv),
         "workload": {"model": model, "prompts": args.prompts, "max_tokens": args.max_tokens,
-                     "batched": args.batched, "dtype": args.dtype},
+                     "batched": args.batched, "dtype": args.dtype,
+                     "substituted": substituted, "quantizer": args.quantizer},
         "environment": environment(),
-        "plain": {k: v for k, v in plain.items() if k != "batched_token_ids"},
-        "identity_checked": not args.skip_identity,
+        "plain": plain and {k: v for k, v in plain.items() if k != "batched_token_ids"},
+        "identity_checked": not args.skip_identity and plain is not None,
         "runs": [],
     }
+    return sweep(report, model, prompts, params, layers, plain, args)
+
+
+def sweep(report, model, prompts, params, layers, plain, args):
+    from subspec_testing.harness import count_identical
+
     for config in args.configs:
-        r = run(model, prompts, params, spec_config(config), args)
+        r = run(model, prompts, params, spec_config(config, layers, args.quantizer), args)
         ids = r.pop("batched_token_ids")
-        r["identical"] = "-" if ids is None else count_identical(ids, plain["batched_token_ids"])
+        r["identical"] = ("-" if ids is None or plain is None
+                          else count_identical(ids, plain["batched_token_ids"]))
         r["config"] = config
         r["depth"] = int(config.split("x")[-1].split(":")[-1])
         report["runs"].append(r)

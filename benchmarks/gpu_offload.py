@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
 from depth_sweep import RESULTS, environment  # noqa: E402
-from projection import GpuSetting, projected_speedup  # noqa: E402
+from projection import SUBSTITUTE_FRACTION, GpuSetting, projected_speedup  # noqa: E402
 
 QWEN25_7B = dict(  # Qwen/Qwen2.5-7B-Instruct config.json
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584,
@@ -67,8 +68,8 @@ def h2d_bandwidth_gbps(gib: float = 1.0) -> float:
     return 3 * src.numel() / (time.perf_counter() - start) / 1e9
 
 
-def model_size(model: str) -> tuple[float, int]:
-    """(bf16 weight GB, decoder layers) from the model's config."""
+def model_size(model: str) -> tuple[float, int, float]:
+    """(bf16 weight GB, decoder layers, bf16 GB of one decoder layer) from the model's config."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model)
@@ -76,7 +77,48 @@ def model_size(model: str) -> tuple[float, int]:
     kv = h // c.num_attention_heads * c.num_key_value_heads
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i
     embeds = v * h * (1 if c.tie_word_embeddings else 2)
-    return 2 * (n * per_layer + embeds) / 1e9, n
+    return 2 * (n * per_layer + embeds) / 1e9, n, 2 * per_layer / 1e9
+
+
+def layers_to_offload(weights_gb: float, layer_gb: float, num_layers: int, budget_gb: float,
+                      subspec: bool, substitute_fraction: float = SUBSTITUTE_FRACTION) -> int:
+    """Fewest decoder layers to put in host memory so that what stays on the GPU fits the
+    budget: resident weights, plus, for SubSpec, the substitutes of the offloaded layers
+    (`substitute_fraction` of each). Like for like: both engines get the same budget, so SubSpec
+    offloads more layers than plain offloading does."""
+    for n in range(num_layers + 1):
+        resident = weights_gb - n * layer_gb + (n * substitute_fraction * layer_gb if subspec
+                                                else 0.0)
+        if resident <= budget_gb + 1e-9:
+            return n
+    raise ValueError(f"{weights_gb:.2f} GB of weights cannot fit a {budget_gb:.2f} GB budget "
+                     "even with every decoder layer offloaded")
+
+
+def prefetch_groups(num_layers: int, num_offload: int) -> tuple[int, int]:
+    """(offload_group_size, offload_num_in_group) for vLLM's prefetch backend that offloads the
+    fewest layers >= num_offload (it offloads layer i when i % group >= group - num_in_group:
+    `model_executor/offloader/prefetch.py`), spreading them out (largest group first)."""
+    if num_offload <= 0:
+        return 0, 0
+    best = None
+    for group in range(num_layers, 0, -1):
+        for in_group in range(1, group + 1):
+            count = sum(1 for i in range(num_layers) if i % group >= group - in_group)
+            if count >= num_offload:
+                if best is None or count < best[0]:
+                    best = (count, group, in_group)
+                break
+    return best[1], best[2]
+
+
+def offload_kwargs(backend: str, num_layers: int, num_offload: int, layer_gb: float) -> dict:
+    """vLLM engine arguments that put `num_offload` decoder layers in host memory."""
+    if backend == "uva":  # uva offloads layer by layer, in order, up to the byte budget
+        return dict(cpu_offload_gb=num_offload * layer_gb * 1e9 / 2**30)
+    group, in_group = prefetch_groups(num_layers, num_offload)
+    return dict(offload_backend="prefetch", offload_group_size=group,
+                offload_num_in_group=in_group, offload_prefetch_step=1)
 
 
 def main():
@@ -84,20 +126,19 @@ def main():
     import torch
     from vllm import SamplingParams
 
-    from vllm_subspec.harness import count_identical, run_engine
+    from subspec_testing.harness import count_identical, run_engine
 
     dummy = args.model is None
     model = args.model or random_qwen_7b()
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    w_gb, n_layers = model_size(model)
-    offload_gb = max(0.0, w_gb - (args.memory_gb - args.reserved_gb))
-    if args.offload_backend == "uva":
-        offload = dict(cpu_offload_gb=offload_gb * 1e9 / 2**30)
-    else:  # prefetch: offload 1 of every `group` layers, as many as the limit needs
-        group = max(1, round(n_layers / max(1, round(n_layers * offload_gb / w_gb))))
-        offload = dict(offload_backend="prefetch", offload_group_size=group,
-                       offload_num_in_group=1, offload_prefetch_step=1)
-    engine = dict(offload, gpu_memory_utilization=min(0.95, args.memory_gb / total_gb),
+    w_gb, n_layers, layer_gb = model_size(model)
+    budget_gb = args.memory_gb - args.reserved_gb
+    # Same memory limit for both engines: SubSpec's substitutes live in it, so it offloads more.
+    offload = {name: offload_kwargs(args.offload_backend, n_layers,
+                                    layers_to_offload(w_gb, layer_gb, n_layers, budget_gb,
+                                                      subspec=name == "subspec"), layer_gb)
+               for name in ("plain", "subspec")}
+    engine = dict(gpu_memory_utilization=min(0.95, args.memory_gb / total_gb),
                   enforce_eager=False, max_model_len=4096, dtype="bfloat16",
                   max_num_batched_tokens=8192)
     if dummy:
@@ -106,16 +147,17 @@ def main():
         prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (128,), generator=g).tolist()}
                    for _ in range(args.prompts)]
     else:
-        from vllm_subspec.assets import chat_prompts, mt_bench_prompts
+        from subspec_testing.assets import chat_prompts, mt_bench_prompts
 
         prompts = chat_prompts(model, mt_bench_prompts(args.prompts))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     width, depth = (int(x) for x in args.tree.split("x"))
     bandwidth = h2d_bandwidth_gbps()
 
-    plain = run_engine(model, prompts, params, None, **engine)
+    plain = run_engine(model, prompts, params, None, **engine, **offload["plain"])
     spec = run_engine(model, prompts, params,
-                      {"method": "subspec", "tree_width": width, "tree_depth": depth}, **engine)
+                      {"method": "subspec", "tree_width": width, "tree_depth": depth},
+                      **engine, **offload["subspec"])
     steps = max(spec.draft_steps, 1)
     draft_pass_ms = 1e3 * spec.draft_seconds / steps / depth
     setting = GpuSetting(name="this GPU", weight_gb=w_gb, memory_gb=args.memory_gb,

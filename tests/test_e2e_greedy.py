@@ -8,8 +8,8 @@ import pytest
 from conftest import make_llm, num_kv_blocks, shutdown
 from vllm import SamplingParams
 
-from vllm_subspec.assets import chat_prompts, mt_bench_prompts
-from vllm_subspec.harness import count_identical, first_divergence, timed_generate
+from subspec_testing.assets import chat_prompts, mt_bench_prompts
+from subspec_testing.harness import count_identical, first_divergence, timed_generate
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from conftest import make_llm, shutdown
 from scipy.stats import chi2_contingency
 from vllm import SamplingParams
 
-from vllm_subspec.metrics import acceptance_stats
+from subspec_testing.metrics import acceptance_stats
 from vllm_subspec.patches import expand_batch_to_tokens
 
 pytestmark = pytest.mark.e2e

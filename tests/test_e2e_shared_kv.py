@@ -8,7 +8,7 @@ import pytest
 from conftest import make_llm, shutdown
 from vllm import SamplingParams
 
-from vllm_subspec.metrics import acceptance_stats
+from subspec_testing.metrics import acceptance_stats
 
 pytestmark = pytest.mark.e2e
 

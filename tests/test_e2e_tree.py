@@ -10,9 +10,9 @@ import pytest
 from conftest import make_llm, shutdown
 from vllm import SamplingParams
 
-from vllm_subspec.assets import chat_prompts, mt_bench_prompts
-from vllm_subspec.harness import first_divergence, timed_generate
-from vllm_subspec.metrics import acceptance_stats
+from subspec_testing.assets import chat_prompts, mt_bench_prompts
+from subspec_testing.harness import first_divergence, timed_generate
+from subspec_testing.metrics import acceptance_stats
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import make_llm, shutdown
 from vllm import SamplingParams
 
-from vllm_subspec.assets import chat_prompts, mt_bench_prompts
+from subspec_testing.assets import chat_prompts, mt_bench_prompts
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 64
@@ -31,7 +31,11 @@ def probe(smollm2, tmp_path_factory):
     shutdown(plain)
     d = tmp_path_factory.mktemp("kv_rule")
     (d / "prompts.json").write_text(json.dumps([prompts, MAX_TOKENS]))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # the probe imports subspec_testing from the repository root (pytest's pythonpath does not
+    # reach a child process)
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("kv_rule_probe.py")), smollm2,
          str(d / "prompts.json"), str(d / "out.json")],

@@ -40,7 +40,7 @@ def test_version_gate(version, ok):
 def test_trees_keep_attention_out_of_cuda_graphs():
     from vllm.config import CUDAGraphMode
 
-    from vllm_subspec.patches import tree_cudagraph_mode
+    from vllm_subspec.engine_rules import tree_cudagraph_mode
 
     assert tree_cudagraph_mode(None) == CUDAGraphMode.PIECEWISE  # vLLM's default would be FULL_*
     assert tree_cudagraph_mode(CUDAGraphMode.FULL_AND_PIECEWISE) == CUDAGraphMode.PIECEWISE

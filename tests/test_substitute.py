@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from vllm_subspec.config import SubSpecOptions
-from vllm_subspec.draft_model import build_substitutes, substitute_layer
+from vllm_subspec.draft_model import build_substitutes, draft_row_counts, substitute_layer
 from vllm_subspec.substitute import (
     Int4CpuKernel,
     ReferenceKernel,
@@ -145,13 +145,30 @@ def test_substitute_layer_shares_attention_and_owns_the_rest():
     assert "forward" not in clone.__dict__
 
 
-def test_warm_up_runs_each_linear_shape_for_every_row_bucket():
+def test_draft_row_counts_are_batch_and_tree_level_rows():
+    # chain steps and a tree's root pass: b rows; tree levels past the root: k*b rows
+    assert draft_row_counts(3, 4) == [1, 2, 3, 4, 8, 12]
+    assert draft_row_counts(5, 1) == [1, 2, 3, 4, 5]
+
+
+def test_warm_up_runs_each_linear_shape_once_per_warm_up_key():
     model = _model(num_layers=2)
     subs = build_substitutes(model, [0, 1], SubSpecOptions.from_dict({"quantizer": "rtn"}), CPU)
     calls = []
     for name, sub in subs.layers[0].items():
         kernel = sub.kernel
+        # a kernel without warm_up_key is warmed at every row count the drafter can send
         sub.kernel = lambda x, k=kernel, n=name: calls.append((n, x.shape[0])) or k(x)
-    subs.warm_up(max_rows=12, dtype=torch.bfloat16, device=CPU)
-    # one representative per linear (every layer has the same shapes), rows 1, 2, 4, 8
+    ran = subs.warm_up(max_num_seqs=3, tree_width=4, dtype=torch.bfloat16, device=CPU)
+    # one representative per linear (every layer has the same shapes)
+    assert sorted(calls) == sorted((n, m) for n in subs.layers[0] for m in (1, 2, 3, 4, 8, 12))
+    assert ran == {n: [1, 2, 3, 4, 8, 12] for n in subs.layers[0]}
+
+    # with a key, the first row count of each key runs (here: the bit length)
+    calls.clear()
+    for sub in subs.layers[0].values():
+        sub.kernel.warm_up_key = lambda m: m.bit_length()
+    subs.warm_up(max_num_seqs=3, tree_width=4, dtype=torch.bfloat16, device=CPU)
     assert sorted(calls) == sorted((n, m) for n in subs.layers[0] for m in (1, 2, 4, 8))
+    # the CPU kernel compiles nothing per row count: one call per linear
+    assert Int4CpuKernel.warm_up_key(7) is None and ReferenceKernel.warm_up_key(7) is None

@@ -172,7 +172,10 @@ def test_kv_compaction_moves_the_accepted_path(cache):
     kv, block_table, keys, values = cache
     root = 20
     path = [2, 5, 11]  # accepted nodes at logical 22, 25, 31 (across a block boundary)
-    move_kv([kv], block_table, root + torch.tensor(path), root + torch.arange(1, 4))
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the reader
+    move_kv([(impl, kv)], block_table, root + torch.tensor(path), root + torch.arange(1, 4))
     layout = CpuVecLayout(kv)
     logical = torch.arange(root, root + 4)
     k, v = layout.gather(block_table[logical // BS].long() * BS + logical % BS)

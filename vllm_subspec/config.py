@@ -68,6 +68,8 @@ class SubSpecOptions:
     """Substitute matmul: auto (int4_cpu on CPU, gemlite on CUDA), int4_cpu, gemlite, reference."""
     quantizer: str = "hqq"
     """hqq (HQQ solver, the paper's choice) or rtn (round-to-nearest; fast, for tests)."""
+    substitute_cache: bool | str | None = None
+    """Built substitutes are cached on disk: unset/true = default folder, a path, or false (off)."""
 
     @property
     def is_tree(self) -> bool:
@@ -153,6 +155,9 @@ class SubSpecOptions:
             p.append(f"kernel 'int4_cpu' needs bits=4, got bits={self.bits}")
         elif self.kernel == "gemlite" and self.bits != 4:
             p.append(f"kernel 'gemlite' is wired for bits=4 only, got bits={self.bits}")
+        c = self.substitute_cache
+        if not (c is None or isinstance(c, bool) or (isinstance(c, str) and c.strip())):
+            p.append(f"substitute_cache must be true, false or a folder path, got {c!r}")
         if self.quantizer not in _QUANTIZERS:
             p.append(f"quantizer must be one of {list(_QUANTIZERS)}, got {self.quantizer!r}")
         return p

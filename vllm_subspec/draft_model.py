@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from vllm_subspec.config import SUBSTITUTE_LINEARS, SubSpecOptions
-from vllm_subspec.substitute import SubstituteLinear, build_substitute_linear
+from vllm_subspec.substitute import SubstituteLinear, substitute_from_quantized
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -38,6 +39,9 @@ class SubstituteSet:
     num_layers: int = 0  # decoder layers in the target
     layers: dict[int, dict[str, SubstituteLinear]] = field(default_factory=dict)
     replaced_bytes: int = 0  # bytes of the target linear weights they stand in for
+    built: int = 0  # substitutes quantized at this start (the rest came from the cache)
+    cache_hits: int = 0
+    build_seconds: float = 0.0  # quantizing or loading them, and packing the kernels
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for subs in self.layers.values() for s in subs.values())
@@ -53,19 +57,31 @@ class SubstituteSet:
                 f"{self.replaced_bytes / 2**30:.3f} GiB they replace); KV cache "
                 f"{kv_cache_bytes / 2**30:.3f} GiB")
 
-    def warm_up(self, max_rows: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Run every kernel shape once per power-of-two row count up to `max_rows`, so that
-        GemLite's Triton autotuning/compilation happens at start-up (before vLLM captures CUDA
-        graphs), never inside a request."""
+    def warm_up(self, max_num_seqs: int, tree_width: int, dtype: torch.dtype,
+                device: torch.device) -> dict[str, list[int]]:
+        """Run every kernel shape once per distinct compile/autotune key (`warm_up_key`) of the
+        row counts the drafter can send, so that GemLite's Triton autotuning and compilation
+        happen at start-up (before vLLM captures CUDA graphs), never inside a request.
+        Returns the row counts run, per linear."""
         one_per_linear: dict[str, SubstituteLinear] = {}  # every layer has the same shapes
         for subs in self.layers.values():
             for name, sub in subs.items():
                 one_per_linear.setdefault(name, sub)
-        rows = [1 << i for i in range(max(max_rows, 1).bit_length())]
+        ran: dict[str, list[int]] = {}
         with torch.inference_mode():
-            for sub in one_per_linear.values():
-                for m in rows:
+            for name, sub in one_per_linear.items():
+                first: dict = {}
+                for m in draft_row_counts(max_num_seqs, tree_width):
+                    first.setdefault(sub.warm_up_key(m), m)
+                ran[name] = sorted(first.values())
+                for m in ran[name]:
                     sub(torch.zeros(m, sub.in_features, dtype=dtype, device=device))
+        if ran:
+            logger.info("vllm-subspec: substitute kernels warmed up at %d of the %d row counts "
+                        "a draft can have, per linear shape",
+                        max(map(len, ran.values())),
+                        len(draft_row_counts(max_num_seqs, tree_width)))
+        return ran
 
     def attach_to(self, model: nn.Module) -> None:
         # A plain attribute (not a submodule): vLLM must not see these in named_parameters().
@@ -76,21 +92,35 @@ class SubstituteSet:
         return model.__dict__.get(_SUBSTITUTES_ATTR)
 
 
-def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSpecOptions,
-                      device: torch.device) -> SubstituteSet:
-    """Quantize the linears of the chosen layers. Called on freshly loaded target weights."""
-    from tqdm import tqdm
+def draft_row_counts(max_num_seqs: int, tree_width: int) -> list[int]:
+    """Every row count a draft forward can have (proposer.py): a chain step and a tree's root
+    pass run one row per request (b = 1..max_num_seqs), later tree levels k rows per request."""
+    batches = range(1, max(max_num_seqs, 1) + 1)
+    return sorted(set(batches) | {b * max(tree_width, 1) for b in batches})
 
+
+def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSpecOptions,
+                      device: torch.device, cache="auto") -> SubstituteSet:
+    """Quantize the linears of the chosen layers. Called on freshly loaded target weights.
+
+    cache: a `SubstituteCache`, None (build everything), or "auto": the cache for the model of
+    the current vLLM config (`substitute_cache` option), if any."""
+    from vllm_subspec.substitute_cache import cache_for_current_model, quantized_weights
+
+    if cache == "auto":
+        cache = cache_for_current_model(options)
+    start = time.perf_counter()
     layers = decoder_layers(model)
     subs = SubstituteSet(num_layers=len(layers))
-    jobs = [(i, name) for i in layer_indices for name in SUBSTITUTE_LINEARS]
-    for i, name in tqdm(jobs, desc=f"SubSpec: {options.bits}-bit substitutes", unit="linear",
-                        disable=not jobs):
-        linear = getattr(_linear_owner(layers[i], name), name)
-        subs.layers.setdefault(i, {})[name] = build_substitute_linear(
-            linear, device, options.bits, options.group_size, options.quantizer,
-            options.kernel, name=f"layers.{i}.{name}")
+    jobs = [((i, name), i, name, getattr(_linear_owner(layers[i], name), name))
+            for i in layer_indices for name in SUBSTITUTE_LINEARS]
+    for (i, name), linear, qw in quantized_weights(jobs, options, device, cache):
+        subs.layers.setdefault(i, {})[name] = substitute_from_quantized(
+            qw, linear, device, options.kernel, name=f"layers.{i}.{name}")
         subs.replaced_bytes += linear.weight.numel() * linear.weight.element_size()
+    subs.cache_hits = cache.hits if cache else 0
+    subs.built = len(jobs) - subs.cache_hits
+    subs.build_seconds = time.perf_counter() - start
     # Substitutes live on the device only: SubSpec adds no host memory to plain offloading.
     stray = [s.source_name for subs_i in subs.layers.values() for s in subs_i.values()
              if any(t.device.type != device.type for t in s.tensors())]

@@ -17,8 +17,6 @@ from vllm_subspec.config import (
     ADDITIONAL_CONFIG_KEY,
     METHOD,
     SubSpecConfigError,
-    SubSpecOptions,
-    check_target_supported,
     options_from_vllm_config,
 )
 
@@ -41,66 +39,9 @@ def _wrap(owner, attr: str, make_wrapper, patch_id: str) -> None:
 
 
 # ---- 1. front end: accept {"method": "subspec", ...} -------------------------------------
-# Target: vllm.engine.arg_utils.EngineArgs.create_speculative_config (0.32.0 :2060, 0.33 :2100).
-# `method` is a pydantic Literal, so "subspec" cannot reach SpeculativeConfig. We validate the
-# SubSpec keys, move them to additional_config["subspec"] (which reaches every process), and hand
-# vLLM a draft_model config whose "draft" is the target: that gives SubSpec k lookahead KV slots,
-# the GPU-token drafting path and vLLM's rejection sampler. Only the target's HF config is read.
-def translate_speculative_config(spec: dict, additional_config: dict | None,
-                                 target_model_config, target_parallel_config
-                                 ) -> tuple[dict, dict, SubSpecOptions]:
-    spec = {k.replace("-", "_"): v for k, v in spec.items()}
-    spec.pop("method")
-    model = spec.pop("model", None)
-    options = SubSpecOptions.from_dict(spec)  # rejects unknown keys
-    target = target_model_config.model
-    if model is not None and model != target:
-        raise SubSpecConfigError(
-            f"'model' must be omitted for method 'subspec' (the draft is the target {target!r} "
-            f"itself), got {model!r}"
-        )
-    check_target_supported(
-        target_model_config.hf_config,
-        target_parallel_config.tensor_parallel_size,
-        target_parallel_config.pipeline_parallel_size,
-    )
-    logprobs_mode = str(target_model_config.logprobs_mode)
-    if options.is_tree and logprobs_mode.startswith("processed"):
-        raise SubSpecConfigError(
-            f"logprobs_mode {logprobs_mode!r} is not supported with tree drafting "
-            "(raw_logprobs and raw_logits are); use tree_width=1")
-    import vllm.envs as envs
-
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        raise SubSpecConfigError(
-            "SubSpec needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER"
-        )
-    additional = dict(additional_config or {})
-    additional[ADDITIONAL_CONFIG_KEY] = options.to_dict()
-    vllm_spec = {
-        "method": "draft_model",
-        "model": target,
-        # vLLM sees the tree's D*k nodes as that many draft tokens: it reserves KV slots for
-        # them and schedules them for verification (see tree_verify hooks below).
-        "num_speculative_tokens": options.num_draft_tokens,
-    }
-    return vllm_spec, additional, options
-
-
-def tree_cudagraph_mode(requested):
-    """Trees need PIECEWISE CUDA graphs: attention must run outside the graphs, since the tree
-    mask is applied in the attention backend's Python forward (patch 6), which a FULL graph's
-    replay would skip. vLLM makes the same override for KV connectors (config/vllm.py)."""
-    from vllm.config import CUDAGraphMode
-
-    if requested is not None and not requested.has_full_cudagraphs():
-        return requested  # NONE or PIECEWISE: already safe
-    if requested is not None:
-        logger.warning("vllm-subspec: tree drafting needs attention outside CUDA graphs; "
-                       "cudagraph_mode %s -> PIECEWISE", requested.name)
-    return CUDAGraphMode.PIECEWISE
-
-
+# Target: vllm.engine.arg_utils.EngineArgs.create_speculative_config (0.32.0 :2060, 0.33 :2100),
+# called by create_engine_config before the scheduler/attention/compilation configs are built
+# from the EngineArgs fields. The translation and the platform rules live in engine_rules.py.
 def _patch_create_speculative_config() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -110,12 +51,13 @@ def _patch_create_speculative_config() -> None:
             if isinstance(spec, dict) and spec.get("method") == METHOD:
                 from vllm.platforms import current_platform
 
+                from vllm_subspec.engine_rules import (
+                    apply_platform_rules, translate_speculative_config)
+
                 self.speculative_config, self.additional_config, options = \
                     translate_speculative_config(spec, self.additional_config,
                                                  target_model_config, target_parallel_config)
-                if options.is_tree and current_platform.is_cuda_alike():
-                    self.compilation_config.cudagraph_mode = tree_cudagraph_mode(
-                        self.compilation_config.cudagraph_mode)
+                apply_platform_rules(self, options, target_model_config, current_platform)
             return original(self, target_model_config, target_parallel_config)
 
         return create_speculative_config
@@ -178,6 +120,13 @@ def attach_substitutes(model, options, vllm_config, device: torch.device) -> Non
     offloaded = offloaded_layer_indices(layers, vllm_config.offload_config, device,
                                         get_offloader())
     chosen = options.resolve_layers(len(layers), offloaded)
+    streamed = sorted(set(offloaded) - set(chosen))
+    if streamed and getattr(get_offloader(), "module_offloaders", None):
+        # the draft would run their prefetch hooks: read whatever the ring put in their slot
+        # and start copies of its own (docs/gpu.md, "Prefetch overlap")
+        raise SubSpecConfigError(
+            f"substitute_layers must include every layer the prefetch offloader streams "
+            f"from CPU memory; missing {streamed} (use 'offloaded' or 'all')")
     if not chosen:
         logger.warning(
             "vllm-subspec: substitute_layers=%r selected no layer (no weights are offloaded); "
@@ -198,38 +147,57 @@ def _patch_model_runner() -> None:
             original(self, vllm_config, device, *args, **kwargs)
             options = options_from_vllm_config(vllm_config)
             if options is not None and hasattr(self, "drafter"):
+                from vllm.platforms import current_platform
+
+                from vllm_subspec.engine_rules import check_final_config
                 from vllm_subspec.proposer import SubSpecProposer
+
+                check_final_config(vllm_config, options, current_platform)
 
                 self.drafter = SubSpecProposer(vllm_config, device, runner=self)
                 if options.is_tree:  # trees are verified by sample-then-match, not vLLM's chain
-                    from vllm_subspec.verify import TreeVerifier
-
-                    self.rejection_sampler = TreeVerifier(self, self.drafter.tree_state)
+                    self.rejection_sampler = self.drafter.tree_step
 
         return __init__
 
     _wrap(GPUModelRunner, "__init__", make, "model_runner")
 
 
-# ---- 5. tree verification inputs: depth-based positions, ancestor-only mask ---------------
-# Target: vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs (0.32.0 :1920). vLLM
-# lays a request's draft tokens out as a chain (slot and position L + i); after it has computed
-# the slot mapping, SubSpec rewrites the positions of tree nodes to L + depth and activates the
-# tree mask for the verify forward (`SubSpecProposer.prepare_verify`).
-def _patch_prepare_inputs() -> None:
+# ---- 5. tree verification: inputs, and the scope of the tree mask ------------------------
+# Targets: vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs (0.32.0 :1920) and
+# GPUModelRunner._model_forward (0.32.0 :3620, 0.33.0 :3586; "can be overridden by subclasses
+# for model execution"). After vLLM has laid the drafts out as a chain and computed their slots,
+# the tree step rewrites positions and builds the tree mask (`verify.TreeStep.prepare_verify`);
+# the mask is active for the verify forward only (`TreeStep.verify_forward`).
+def _tree_step(runner):
+    return getattr(getattr(runner, "drafter", None), "tree_step", None)
+
+
+def _patch_tree_verify() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def make(original):
+    def make_prepare(original):
         def _prepare_inputs(self, scheduler_output, *args, **kwargs):
             out = original(self, scheduler_output, *args, **kwargs)
-            drafter = getattr(self, "drafter", None)
-            if getattr(getattr(drafter, "options", None), "is_tree", False):
-                drafter.prepare_verify(self, scheduler_output)
+            step = _tree_step(self)
+            if step is not None:
+                step.prepare_verify(scheduler_output)
             return out
 
         return _prepare_inputs
 
-    _wrap(GPUModelRunner, "_prepare_inputs", make, "prepare_inputs")
+    def make_forward(original):
+        def _model_forward(self, *args, **kwargs):
+            step = _tree_step(self)
+            if step is None:
+                return original(self, *args, **kwargs)
+            with step.verify_forward():
+                return original(self, *args, **kwargs)
+
+        return _model_forward
+
+    _wrap(GPUModelRunner, "_prepare_inputs", make_prepare, "prepare_inputs")
+    _wrap(GPUModelRunner, "_model_forward", make_forward, "model_forward")
 
 
 # ---- 6. tree attention inside vLLM's attention backends ---------------------------------
@@ -312,7 +280,7 @@ def apply_all() -> bool:
     _patch_force_v1_runner()
     _patch_weight_hook()
     _patch_model_runner()
-    _patch_prepare_inputs()
+    _patch_tree_verify()
     _patch_attention_backends()
     _patch_cpu_expand()
     logger.debug("vllm-subspec patches applied in pid %d", os.getpid())

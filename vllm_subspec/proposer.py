@@ -15,9 +15,9 @@ rejection sampler with token ids only, which is lossless for greedy and sampled 
 
 Tree (tree_width k > 1): the root pass over the bonus token, then D-1 passes over the k frontier
 nodes with an ancestor-only mask (`tree_attention`), keeping the global top-k by cumulative
-sharpened log-probability (`tree.TreeBatch`). vLLM schedules the D*k nodes as draft tokens;
-`prepare_verify` gives them depth-based positions and the tree mask, `verify.TreeVerifier`
-walks the tree, and the next `propose` moves the accepted path's KV to contiguous slots.
+sharpened log-probability (`tree.TreeBatch`). The trees go to `verify.TreeStep`, which owns
+them from there: vLLM schedules the D*k nodes as draft tokens, the step gives them depth-based
+positions and the tree mask, walks the tree and moves the accepted path's KV into place.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-from vllm_subspec import tree_attention
 from vllm_subspec.config import options_from_vllm_config
 from vllm_subspec.draft_model import DraftModel, SubstituteSet, decoder_layers
-from vllm_subspec.tree import StoredTree, TreeBatch, TreeShape, TreeState, sharpened_log_probs
-from vllm_subspec.tree_attention import TreePlan, TreeRows
+from vllm_subspec.prefetch_overlap import PrefetchOverlap
+from vllm_subspec.tree import TreeBatch, TreeShape, sharpened_log_probs
+from vllm_subspec.tree_attention import TreeMask, TreePlan, TreeRows, logical_to_slots
+from vllm_subspec.verify import TreeStep
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -48,9 +49,14 @@ class SubSpecProposer(DraftModelProposer):
         self.options = options_from_vllm_config(vllm_config)
         self.runner = runner
         self.tree_shape = TreeShape(self.options.tree_width, self.options.tree_depth)
-        self.tree_state = TreeState()
+        # the tree rows of the forward in progress (draft or verify), read by the attention layers
+        self.tree_mask = TreeMask()
+        # the verify side of a tree step; the runner uses it as its rejection sampler
+        self.tree_step = TreeStep(runner, self.tree_shape, self.tree_mask) \
+            if self.options.is_tree else None
         self.draft_seconds = 0.0  # wall time spent drafting (benchmarks read it over RPC)
         self.draft_calls = 0
+        self.prefetch_overlap: PrefetchOverlap | None = None  # set in load_model
 
     # ---- loading -------------------------------------------------------------------------
     def load_model(self, target_model: nn.Module) -> None:
@@ -62,6 +68,12 @@ class SubSpecProposer(DraftModelProposer):
                 "plugin enabled in this process (VLLM_PLUGINS)?"
             )
         self.model = DraftModel(target_model, substitutes, self.device)
+        # Prefetch backend: the next verify's first offloaded layers are copied while this
+        # proposer drafts, with CUDA graphs too (prefetch_overlap.py); None otherwise.
+        from vllm.model_executor.offloader.base import get_offloader
+
+        self.prefetch_overlap = PrefetchOverlap.from_offloader(
+            get_offloader(), use_ubatching=self.vllm_config.parallel_config.use_ubatching)
         target_attn = {id(layer.self_attn.attn) for layer in decoder_layers(target_model)}
         all_attn = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)
         self._draft_attn_layer_names = {
@@ -71,9 +83,14 @@ class SubSpecProposer(DraftModelProposer):
         }
         if len(self._draft_attn_layer_names) != len(target_attn):
             raise RuntimeError("vllm-subspec: could not map every decoder layer to its attention")
+        for name in self._draft_attn_layer_names:  # draft and verify forwards share the mask
+            self.tree_mask.attach(all_attn[name].impl)
+        if self.tree_step is not None:
+            self.tree_step.kv_caches = self._kv_caches
         if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now
-            max_rows = self.vllm_config.scheduler_config.max_num_seqs * self.options.tree_width
-            substitutes.warm_up(max_rows, self.vllm_config.model_config.dtype, self.device)
+            substitutes.warm_up(self.vllm_config.scheduler_config.max_num_seqs,
+                                self.options.tree_width, self.vllm_config.model_config.dtype,
+                                self.device)
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
@@ -109,15 +126,14 @@ class SubSpecProposer(DraftModelProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
     ) -> torch.Tensor:
-        tree_attention.set_plan(None)  # the verify forward is over
+        if self.prefetch_overlap is not None:  # first, so the copies run while this step drafts
+            self.prefetch_overlap.start_before_draft()
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
         start = time.perf_counter()
         cad, last_verified = self.bonus_token_metadata(common_attn_metadata,
                                                        num_rejected_tokens_gpu)
-        if self.options.is_tree:  # verified paths move into place even if nothing is drafted
-            self.compact_accepted_paths(cad, last_verified)
         if num_speculative_tokens == 0:
             return torch.empty(batch_size, 0, dtype=torch.int64, device=next_token_ids.device)
         if self.options.is_tree:
@@ -195,6 +211,7 @@ class SubSpecProposer(DraftModelProposer):
         batch_size = cad.batch_size()
         temperature = self.options.draft_temperature
         root_pos = self._advance_one(last_verified, cad).clone()  # the bonus token: L
+        roots = root_pos.tolist()  # host copies, read once per step (not per depth)
         logits = self._forward_logits(cad, next_token_ids, 0)
         tree = TreeBatch(shape, next_token_ids.to(torch.int64))
         tree.grow(sharpened_log_probs(logits, temperature))
@@ -204,11 +221,11 @@ class SubSpecProposer(DraftModelProposer):
         for d in range(1, shape.depth):
             level = shape.level(d)
             # stop before any node of the next level would pass max_model_len
-            if int(root_pos.max()) + (d + 1) * k >= self.max_model_len:
+            if max(roots) + (d + 1) * k >= self.max_model_len:
                 tree.truncate()
                 break
             logical = root_pos[:, None] + level.start + arange_k  # node slots L + i
-            slots = tree_attention.logical_to_slots(block_table, logical, self.block_size)
+            slots = logical_to_slots(block_table, logical, self.block_size)
             n = batch_size * k
             self.positions[:n] = (root_pos[:, None] + d).expand(-1, k).reshape(-1)
             step_cad = dataclasses.replace(
@@ -223,74 +240,20 @@ class SubSpecProposer(DraftModelProposer):
                 slot_mapping=slots.reshape(-1),
                 seq_lens_cpu_upper_bound=None,
             )
-            tree_attention.set_plan(TreePlan([
-                TreeRows(i, i * k, int(root_pos[i]), tree.mask[i, level, : level.stop])
-                for i in range(batch_size)]))
-            try:
+            plan = TreePlan([TreeRows(i, i * k, roots[i], tree.mask[i, level, : level.stop])
+                             for i in range(batch_size)])
+            with self.tree_mask.active(plan):
                 logits = self._forward_logits(step_cad, tree.frontier_tokens().reshape(-1), d)
-            finally:
-                tree_attention.set_plan(None)
             tree.grow(sharpened_log_probs(logits, temperature).view(batch_size, k, -1))
-        self._store_trees(tree, batch_size)
+        self.tree_step.store(self.runner.input_batch.req_ids[:batch_size], tree)
         return tree.tokens[:, 1:]
 
-    def _store_trees(self, tree: TreeBatch, batch_size: int) -> None:
-        req_ids = self.runner.input_batch.req_ids[:batch_size]
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        self.tree_state.trees = {
-            rid: StoredTree(tokens[i], parents[i], tree.mask[i]) for i, rid in enumerate(req_ids)
-        }
-
-    # ---- verification hooks --------------------------------------------------------------
-    def prepare_verify(self, runner, scheduler_output) -> None:
-        """After vLLM prepared the verify inputs: depth-based positions and the tree mask.
-
-        vLLM laid the root and the scheduled nodes out as a chain: node i in slot L + i (kept:
-        slots follow node order) at position L + i (replaced by L + depth(i)).
-        """
-        tree_attention.set_plan(None)
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        if not spec:
-            return
-        batch = runner.input_batch
-        depths = self.tree_shape.depths()
-        rows = []
-        for i, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
-            n = len(spec.get(req_id, ()))
-            stored = self.tree_state.trees.get(req_id)
-            if n == 0 or stored is None:
-                continue
-            q0 = int(runner.query_start_loc.np[i])
-            root = int(batch.num_computed_tokens_cpu[i])
-            runner.positions[q0 + 1: q0 + 1 + n] = (root + depths[1: n + 1]).to(
-                runner.positions.device)
-            rows.append(TreeRows(i, q0, root, stored.mask[: n + 1, : n + 1]))
-        tree_attention.set_plan(TreePlan(rows))
-
-    def compact_accepted_paths(self, cad, last_verified) -> None:
-        """Move each accepted path's KV (slots L + a_j) to slots L + j, j = 1..m."""
-        accepted, self.tree_state.accepted = self.tree_state.accepted, {}
-        if not accepted:
-            return
-        kv_caches = None
-        for i, req_id in enumerate(self.runner.input_batch.req_ids[: cad.batch_size()]):
-            path = accepted.get(req_id)
-            if not path:
-                continue
-            root = int(last_verified[i]) - len(path)
-            src = root + torch.tensor(path, dtype=torch.int64)
-            dst = root + torch.arange(1, len(path) + 1, dtype=torch.int64)
-            if torch.equal(src, dst):
-                continue
-            if kv_caches is None:
-                kv_caches = self._kv_caches()
-            row = cad.block_table_tensor[i]
-            tree_attention.move_kv(kv_caches, row, src.to(row.device), dst.to(row.device))
-
-    def _kv_caches(self) -> list[torch.Tensor]:
+    def _kv_caches(self) -> list[tuple[object, torch.Tensor]]:
+        """(attention impl, per-layer KV cache) of every decoder layer: the impl picks the
+        cache reader (`tree_attention.layout_for`)."""
         ctx = self.vllm_config.compilation_config.static_forward_context
         caches = []
         for name in sorted(self._draft_attn_layer_names):
             kv = ctx[name].kv_cache
-            caches.append(kv[0] if isinstance(kv, (list, tuple)) else kv)
+            caches.append((ctx[name].impl, kv[0] if isinstance(kv, (list, tuple)) else kv))
         return caches

@@ -6,7 +6,8 @@ kernel so it drops into a vLLM decoder layer where a `LinearBase` was (it return
 
 Kernels:
 - `Int4CpuKernel`: `aten._weight_int4pack_mm_for_cpu`. tinygemm computes (q - 8)*s + z_tg and
-  HQQ (q - z)*s, so z_tg = (8 - z)*s keeps HQQ's float zeros exactly.
+  HQQ (q - z)*s, so z_tg = (8 - z)*s carries HQQ's fractional zeros (s and z_tg are stored in
+  the activation dtype).
 - `GemliteKernel`: GemLite A16W4 (CUDA only; gemlite is imported lazily, never on CPU).
 - `ReferenceKernel`: dequantize + matmul on every call; the oracle for tests, any bit width.
 """
@@ -14,7 +15,9 @@ Kernels:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +121,10 @@ class Int4CpuKernel:
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.scales_and_zeros]
 
+    @staticmethod
+    def warm_up_key(m: int) -> None:
+        return None  # an aten op: nothing is compiled per row count
+
 
 class ReferenceKernel:
     """Dequantize + matmul on every call. Slow; the oracle the fast kernels are tested against."""
@@ -138,10 +145,19 @@ class ReferenceKernel:
     def tensors(self) -> list[torch.Tensor]:
         return [self.qw.codes, self.qw.scale, self.qw.zero]
 
+    @staticmethod
+    def warm_up_key(m: int) -> None:
+        return None  # plain torch ops: nothing is compiled per row count
+
 
 class GemliteKernel:
-    """GemLite A16W4 (Triton) with HQQ's float zeros kept exactly (fma mode: q*s + (-z*s)).
+    """GemLite A16W4 (Triton), fma mode: W = q*s + (-z*s), with HQQ's fractional zeros.
 
+    GemLite keeps the metadata in the activation dtype: `from_weights` casts scales and zeros to
+    it (gemlite/helper.py:219-220) and `pack` stores the fma offset `(-z*s)` rounded back to it
+    (gemlite/core.py:674). In bf16 that offset is off HQQ's fp32 value by up to ~0.04
+    quantization steps (0.036 measured on a 1536x576 weight, fp16: 0.0044;
+    tests/test_gemlite_interpreter.py).
     Written against gemlite 0.6.0.post2 (`gemlite.helper.A16W4_HQQ_INT.from_weights`).
     """
 
@@ -158,14 +174,58 @@ class GemliteKernel:
         self.layer = A16W4_HQQ_INT(device=str(qw.codes.device), dtype=dtype).from_weights(
             W_q=qw.codes, scales=qw.scale.to(dtype), zeros=qw.zero.to(dtype), bias=None
         )
+        # GEMM_SPLITK loads the scale/zero row of every K block its SPLIT_K programs visit
+        # without a mask (gemm_splitK_kernels.py:438-449), also the blocks wholly past K when
+        # K / BLOCK_SIZE_K is not a multiple of SPLIT_K (K=576: 9 blocks, SPLIT_K=2): an
+        # out-of-bounds read whose NaN/inf reaches the output (0 * NaN; seen under the
+        # interpreter, tests/test_gemlite_interpreter.py). Back those rows with zeros, up to a
+        # multiple of 16 groups (SPLIT_K <= 16, gemm_splitK_kernels.py:170); views keep
+        # GemLite's shapes and strides.
+        for name in ("scales", "zeros"):
+            meta = getattr(self.layer, name)
+            groups = meta.shape[0]
+            padded = meta.new_zeros(-(-groups // 16) * 16, meta.shape[1])
+            padded[:groups] = meta.data
+            meta.data = padded[:groups]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self.layer).values() if isinstance(t, torch.Tensor)] + [
-            b for b in self.layer.buffers()
-        ]
+        # pack() re-registers W_q/scales/zeros/metadata/orig_shape/meta_scale as Parameters
+        # (gemlite/core.py:765-793); the placeholders __init__ made are buffers (core.py:382-387).
+        seen: dict[int, torch.Tensor] = {}
+        for t in itertools.chain(self.layer.parameters(), self.layer.buffers()):
+            seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    def warm_up_key(self, m: int) -> tuple:
+        from gemlite.core import get_matmul_type
+        from gemlite.triton_kernels import utils
+
+        # utils.get_closest_m is what set_autotune_setting replaces (core.py:93) and what the
+        # kernel modules bind on (re)load (`from .utils import *`, triton_kernels/config.py:34).
+        return gemlite_warm_up_key(m, utils.get_closest_m, get_matmul_type)
+
+
+def gemlite_warm_up_key(m: int, closest_m, matmul_type, w_nbits: int = 4) -> tuple:
+    """What gemlite 0.6.0.post2 autotunes/compiles separately for an m-row call: equal keys
+    share every autotune result and compiled kernel (per weight shape and dtype).
+
+    closest_m, matmul_type: gemlite's `triton_kernels.utils.get_closest_m` and
+    `core.get_matmul_type` (passed in: importing gemlite needs CUDA).
+    """
+    family = matmul_type(m, w_nbits)  # GEMV* for m <= 4, GEMM_SPLITK below 64 (core.py:171)
+    # Autotune keys: GEMV kernels key on M (gemv_revsplitK_kernels.py:13), GEMM ones on
+    # M_CLOSEST = get_closest_m(M) (gemm_kernels.py:13,756; gemm_splitK_kernels.py:13,787).
+    tuned = m if family.startswith("GEMV") else closest_m(m)
+    # Compiled variants within a bucket: Triton specializes an int argument on == 1 and on
+    # % 16 == 0 (triton/runtime/jit.py: native_specialize_impl), and the GEMM kernels' heuristic
+    # EVEN_M = M % BLOCK_SIZE_M == 0 (gemm_kernels.py:281, gemm_splitK_kernels.py:296) with
+    # BLOCK_SIZE_M a power of two in [16, 256] (the pruners, gemm_kernels.py:77-82). The
+    # largest power of two dividing m, capped at 256, and ignored below 16, covers both.
+    align = math.gcd(m, 256) if m % 16 == 0 else 1
+    return family, tuned, align
 
 
 def gemlite_available() -> bool:
@@ -224,6 +284,12 @@ class SubstituteLinear(torch.nn.Module):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def warm_up_key(self, m: int):
+        """Row counts with equal keys share the kernel's compiled/autotuned state; a kernel
+        without `warm_up_key` is warmed at every row count."""
+        key = getattr(self.kernel, "warm_up_key", None)
+        return m if key is None else key(m)
+
     def extra_repr(self) -> str:
         return f"{self.source_name}, kernel={self.kernel.name}"
 
@@ -235,6 +301,13 @@ def build_substitute_linear(linear: torch.nn.Module, device: torch.device, bits:
     lives on `device`. An offloaded weight passes through `device` one linear at a time."""
     weight = linear.weight.data.to(device)
     qw = quantize(weight, bits=bits, group_size=group_size, method=quantizer)
+    return substitute_from_quantized(qw, linear, device, kernel, name)
+
+
+def substitute_from_quantized(qw: QuantizedWeight, linear: torch.nn.Module,
+                              device: torch.device, kernel: str,
+                              name: str = "") -> SubstituteLinear:
+    """The substitute for `linear` from its (built or cached) quantized weight."""
     built = choose_kernel(qw, device, kernel)(qw, linear.weight.dtype)
     bias = getattr(linear, "bias", None)
     return SubstituteLinear(built, None if bias is None else bias.data.to(device), name,

@@ -8,7 +8,7 @@ slots are not positions. Depth-D nodes are produced by the draft but never forwa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -136,12 +136,3 @@ class StoredTree:
             out.append(self.tokens[node])
             node = self.parents[node]
         return out[::-1]
-
-
-@dataclass
-class TreeState:
-    """What the proposer and the verifier share, keyed by request id."""
-
-    trees: dict[str, StoredTree] = field(default_factory=dict)  # drafted last step
-    # accepted node indices (root excluded), set by the verifier, consumed by the proposer
-    accepted: dict[str, list[int]] = field(default_factory=dict)

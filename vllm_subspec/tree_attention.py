@@ -14,6 +14,7 @@ backend's own writer (`check_cpu_layout`) before first use; AMX layouts are refu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -37,12 +38,28 @@ class TreePlan:
     rows: list[TreeRows] = field(default_factory=list)
 
 
-_ACTIVE: TreePlan | None = None
+class TreeMask:
+    """The tree rows of the forward in progress, shared by SubSpec's drafter and verifier and the
+    target's attention layers (`attach`, at load). A plan is active only inside
+    `with mask.active(plan):`, i.e. for one forward; outside it the backends run untouched."""
+
+    def __init__(self):
+        self.plan: TreePlan | None = None
+
+    @contextlib.contextmanager
+    def active(self, plan: TreePlan | None):
+        previous, self.plan = self.plan, (plan if plan is not None and plan.rows else None)
+        try:
+            yield
+        finally:
+            self.plan = previous
+
+    def attach(self, impl) -> None:
+        """Let an attention backend impl (one per decoder layer) find this mask."""
+        impl.__dict__[_MASK_ATTR] = self
 
 
-def set_plan(plan: TreePlan | None) -> None:
-    global _ACTIVE
-    _ACTIVE = plan if plan is not None and plan.rows else None
+_MASK_ATTR = "_subspec_tree_mask"
 
 
 def logical_to_slots(block_table: torch.Tensor, logical: torch.Tensor, block_size: int):
@@ -80,28 +97,52 @@ class CpuVecLayout:
         self.values[blk, :, off, :] = v
 
 
-class CudaFlashLayout:
-    """vLLM FlashAttention/FlashInfer (NHD): kv_cache [2, num_blocks, block, kv_heads, head_dim]."""
+class FlashAttentionLayout:
+    """vLLM FlashAttention, 0.32.0 and 0.33.0: the per-layer cache is the logical view
+    [num_blocks, kv_heads, block_size, 2 * head_dim] that `allocate_kv_cache` builds over one
+    backing buffer (`v1/worker/utils.py` :564, `v1/kv_cache_interface.py` :377
+    `create_kv_cache_views`), with a physical order given by the resolved `KVCacheLayout`
+    (`v1/kv_cache_layout.py`; FlashAttention declares no preference, so any of the six). Keys and
+    values are split exactly as `FlashAttentionImpl.forward` does (`flash_attn.py` 0.32.0 :1252,
+    0.33.0 :1257): `kv_cache.transpose(1, 2).split(head_size, -1)` -> two strided
+    [num_blocks, block_size, kv_heads, head_dim] views. Reads and writes go through those views,
+    so every physical layout is handled by its strides."""
 
-    def __init__(self, kv_cache: torch.Tensor):
-        self.keys, self.values = kv_cache.unbind(0)
-        self.block_size, self.kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    def __init__(self, kv_cache: torch.Tensor, head_size: int):
+        if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+            raise RuntimeError(
+                f"vllm-subspec: unexpected FlashAttention KV cache shape {tuple(kv_cache.shape)} "
+                f"for head_size {head_size}; expected [blocks, kv_heads, block_size, "
+                f"{2 * head_size}]")
+        self.keys, self.values = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        self.block_size, self.kv_heads = kv_cache.shape[2], kv_cache.shape[1]
 
-    def gather(self, slots):
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at absolute slots -> [T, kv_heads, head_dim] each."""
         blk, off = slots // self.block_size, slots % self.block_size
         return self.keys[blk, off], self.values[blk, off]
 
-    def move(self, src, dst):
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots src to slots dst (all sources read before any write); the
+        index writes land in the shared backing buffer through the strided views."""
         k, v = self.gather(src)
         blk, off = dst // self.block_size, dst % self.block_size
         self.keys[blk, off] = k
         self.values[blk, off] = v
 
 
-def layout_for(kv_cache: torch.Tensor):
-    if kv_cache.device.type == "cpu":
+def layout_for(impl, kv_cache: torch.Tensor):
+    """The paged-cache reader for the attention backend `impl` that owns `kv_cache`.
+
+    Trees are only configured with the CPU backend or FlashAttention (`config.py`
+    `check_tree_attention_backend`); anything else is refused here too rather than misread."""
+    name = type(impl).__name__
+    if name == "CPUAttentionBackendImpl":
         return CpuVecLayout(kv_cache)
-    return CudaFlashLayout(kv_cache)
+    if name == "FlashAttentionImpl":
+        return FlashAttentionLayout(kv_cache, impl.head_size)
+    raise RuntimeError(f"vllm-subspec: tree attention has no KV cache reader for {name}; "
+                       "use the FLASH_ATTN attention backend or tree_width=1")
 
 
 _CPU_LAYOUT_CHECKED: dict[str, bool] = {}
@@ -158,13 +199,14 @@ def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, 
 
 def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     """Overwrite the tree rows of `output` (the backend's causal result) with masked attention."""
-    plan = _ACTIVE
+    mask = impl.__dict__.get(_MASK_ATTR)
+    plan = None if mask is None else mask.plan
     if plan is None or attn_metadata is None:
         return
-    if kv_cache.device.type == "cpu":
+    if type(impl).__name__ == "CPUAttentionBackendImpl":
         check_cpu_layout(getattr(layer, "isa", "?"), kv_cache.shape[-1] // 2, kv_cache.shape[2],
                          kv_cache.dtype)
-    layout = layout_for(kv_cache)
+    layout = layout_for(impl, kv_cache)
     block_table = attn_metadata.block_table if hasattr(attn_metadata, "block_table") \
         else attn_metadata.block_table_tensor
     heads = query.shape[1]
@@ -174,17 +216,21 @@ def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) ->
         out[rows.q_start: rows.q_start + res.shape[0]] = res
 
 
-def move_kv(kv_caches: list[torch.Tensor], block_table_row: torch.Tensor, src_logical: torch.Tensor,
-            dst_logical: torch.Tensor) -> None:
-    """Move K/V between logical positions of one request, in every layer (KV compaction)."""
+def move_kv(kv_caches: list[tuple[object, torch.Tensor]], block_table_row: torch.Tensor,
+            src_logical: torch.Tensor, dst_logical: torch.Tensor) -> None:
+    """Move K/V between logical positions of one request, in every layer (KV compaction).
+
+    kv_caches: (attention impl, per-layer cache) pairs. Layers whose views alias the same bytes
+    (same data pointer, shape and strides) are moved once."""
     if src_logical.numel() == 0:
         return
     seen = set()
-    for kv in kv_caches:
-        if kv.data_ptr() in seen:
+    for impl, kv in kv_caches:
+        key = (kv.data_ptr(), tuple(kv.shape), kv.stride())
+        if key in seen:
             continue
-        seen.add(kv.data_ptr())
-        layout = layout_for(kv)
+        seen.add(key)
+        layout = layout_for(impl, kv)
         bs = layout.block_size
         layout.move(logical_to_slots(block_table_row, src_logical, bs),
                     logical_to_slots(block_table_row, dst_logical, bs))

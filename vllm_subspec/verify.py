@@ -1,13 +1,29 @@
-"""Tree verification: "sample, then match" on the target's logits at every tree node.
+"""One tree step, verify side, in run order: `TreeStep` owns a request's drafted tree from the moment
+the proposer stores it until its accepted path's KV sits in place.
 
-Takes the place of vLLM's `RejectionSampler` (same call, same output format) when SubSpec drafts
-trees. For each request the target's token is drawn at every node (argmax when greedy; else from
-the request's own temperature / top-k / top-p distribution, with its seed); then the walk starts at
-the root and moves to the child whose token equals the draw at the current node, as long as there
-is one. The draws along the path are emitted, the last one being the bonus token. Drawing at all
-nodes up front is the same in distribution as drawing lazily along the walk (every node is visited
-at most once), and every emitted token is a draw from the target at its exact context: the output
-is plain ancestral sampling from the target whatever the draft proposed.
+1. `store` (proposer, end of step N): the trees just drafted.
+2. `prepare_verify` (after vLLM's `_prepare_inputs`, step N+1): each tree is consumed (verified
+   at most once). vLLM laid the root and the scheduled nodes out as a chain: node i in slot L + i
+   (kept: slots follow node order) at position L + i (replaced by L + depth(i)). The tree rows
+   and their ancestor-only masks form this step's `TreePlan`.
+3. `verify_forward` (around vLLM's `_model_forward`): the plan is active, scoped to that forward.
+4. `__call__` (in place of vLLM's `RejectionSampler`, same call and output format): "sample, then
+   match" on the target's logits at every node, then the KV compaction of each accepted path.
+
+Sample, then match: the target's token is drawn at every node (argmax when greedy; else from the
+request's own temperature / top-k / top-p distribution, with its seed); the walk starts at the
+root and moves to the child whose token equals the draw at the current node, while there is one.
+The draws along the path are emitted, the last one being the bonus token. Drawing at all nodes up
+front is the same in distribution as drawing lazily along the walk (each node is visited at most
+once), and every emitted token is a draw from the target at its exact context: the output is
+plain ancestral sampling from the target whatever the draft proposed.
+
+KV compaction right after the walk: the accepted nodes' KV (slots L + a_j) moves to L + j, j =
+1..m, while the root L is known, every step, whether or not vLLM calls the drafter next (near
+max_model_len it does not: `gpu_model_runner.py` 0.32.0 `_input_fits_in_drafter` :4288).
+
+Scheduled drafts with no stored tree (vLLM skipped the drafter and scheduled its all-zero
+placeholders, :4456-4466) are verified as what they are: a chain in vLLM's own layout.
 
 Output rows are left-aligned emitted tokens padded with -1, as vLLM's sampler returns, so vLLM's
 bookkeeping, scheduler and spec-decode metrics work unchanged (τ = emitted tokens per step).
@@ -15,76 +31,138 @@ bookkeeping, scheduler and spec-decode metrics work unchanged (τ = emitted toke
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_subspec.tree import accepted_path
+from vllm_subspec.tree import StoredTree, TreeBatch, TreeShape, accepted_path
+from vllm_subspec.tree_attention import TreeMask, TreePlan, TreeRows, move_kv
 
 PLACEHOLDER = -1
 _SAMPLING_EPS = 1e-5
 
 
-class TreeVerifier:
-    def __init__(self, runner, state):
-        self.runner = runner
-        self.state = state  # TreeState shared with the proposer
+@dataclass
+class VerifiedTree:
+    """A request's tree in the step being verified."""
 
+    tree: StoredTree
+    root: int  # L: logical position of the root (the last step's bonus token)
+    req_index: int  # the request's row in this step's batch
+    compact: bool  # False for a chain in vLLM's layout: its path is already in place
+
+
+def chain_tree(draft_token_ids: list[int]) -> StoredTree:
+    """Drafts laid out as a chain (node i's parent is i - 1); the root token is never matched."""
+    n = len(draft_token_ids)
+    return StoredTree([0] + list(draft_token_ids), list(range(-1, n)),
+                      torch.ones(n + 1, n + 1, dtype=torch.bool).tril())
+
+
+class TreeStep:
+    def __init__(self, runner, shape: TreeShape, mask: TreeMask):
+        self.runner = runner
+        self.shape = shape
+        self.mask = mask  # shared with the target's attention layers (attached at load)
+        self.drafted: dict[str, StoredTree] = {}  # stored by the proposer, not yet verified
+        self.verifying: dict[str, VerifiedTree] = {}  # this step's trees
+        self.plan: TreePlan | None = None  # this step's verify rows, until the forward
+        # (attention impl, KV cache) of every decoder layer; set by the proposer at load
+        self.kv_caches: Callable[[], list[tuple[object, torch.Tensor]]] | None = None
+
+    # ---- 1. after drafting ---------------------------------------------------------------
+    def store(self, req_ids: list[str], tree: TreeBatch) -> None:
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        self.drafted = {rid: StoredTree(tokens[i], parents[i], tree.mask[i])
+                        for i, rid in enumerate(req_ids)}
+
+    # ---- 2. verify inputs ----------------------------------------------------------------
+    def prepare_verify(self, scheduler_output) -> None:
+        drafted, self.drafted = self.drafted, {}  # a tree is verified at most once
+        self.verifying, self.plan = {}, None
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec:
+            return
+        runner, batch = self.runner, self.runner.input_batch
+        depths = self.shape.depths()
+        rows = []
+        for i, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
+            scheduled = spec.get(req_id, ())
+            n = len(scheduled)
+            if n == 0:
+                continue
+            root = int(batch.num_computed_tokens_cpu[i])
+            stored = drafted.get(req_id)
+            if stored is None:  # placeholders of a skipped drafter: a chain, vLLM's layout
+                self.verifying[req_id] = VerifiedTree(chain_tree(scheduled), root, i, False)
+                continue
+            q0 = int(runner.query_start_loc.np[i])
+            runner.positions[q0 + 1: q0 + 1 + n] = (root + depths[1: n + 1]).to(
+                runner.positions.device)
+            rows.append(TreeRows(i, q0, root, stored.mask[: n + 1, : n + 1]))
+            self.verifying[req_id] = VerifiedTree(stored, root, i, True)
+        self.plan = TreePlan(rows) if rows else None
+
+    # ---- 3. the verify forward -----------------------------------------------------------
+    @contextlib.contextmanager
+    def verify_forward(self):
+        plan, self.plan = self.plan, None  # the plan belongs to exactly one forward
+        with self.mask.active(plan):
+            yield
+
+    # ---- 4. walk, emit, compact ----------------------------------------------------------
     def __call__(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         num_draft = list(metadata.num_draft_tokens)
         req_ids = self.runner.input_batch.req_ids[: len(num_draft)]
+        trees = [self.verifying.get(rid) if n else None for rid, n in zip(req_ids, num_draft)]
         rows = torch.tensor([n + 1 for n in num_draft])
         raw_logits = logits
-        logits = self._constrain(logits, rows, req_ids, num_draft, sampling_metadata)
+        logits = constrain(logits, rows, trees, num_draft, sampling_metadata)
         draws = draw_target_tokens(logits, rows, sampling_metadata).tolist()
 
         width = max(num_draft) + 1
         out = torch.full((len(num_draft), width), PLACEHOLDER, dtype=torch.int32)
         # logits row at which each emitted token was drawn (for logprobs); padding reads row 0
         drawn_at = torch.zeros((len(num_draft), width), dtype=torch.int64)
+        moves = []
         start = 0
-        for i, (req_id, n) in enumerate(zip(req_ids, num_draft)):
+        for i, (v, n) in enumerate(zip(trees, num_draft)):
             target = draws[start: start + n + 1]
-            tree = self.state.trees.get(req_id) if n else None
-            path = accepted_path(tree.tokens[: n + 1], tree.parents[: n + 1], target) \
-                if tree is not None else []
+            path = accepted_path(v.tree.tokens[: n + 1], v.tree.parents[: n + 1], target) \
+                if v is not None else []
             nodes = [0] + path  # emitted token j is the target's draw at nodes[j]
             out[i, : len(nodes)] = torch.tensor([target[a] for a in nodes], dtype=torch.int32)
             drawn_at[i, : len(nodes)] = start + torch.tensor(nodes)
             start += n + 1
-            if n:
-                self.state.accepted[req_id] = path
+            if v is not None and v.compact and path != list(range(1, len(path) + 1)):
+                moves.append((v.req_index, v.root, path))
+        self.verifying = {}
+        self._compact(moves)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(raw_logits, drawn_at, out,
                                       sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=logprobs)
 
-    def _constrain(self, logits, rows, req_ids, num_draft, sampling_metadata):
-        """What vLLM's rejection sampler applies to a chain's target logits, per tree node:
-        repetition/frequency/presence penalties over the request's output plus the node's path,
-        and allowed_token_ids. (Bad words and min_tokens are not applied to tree nodes.)"""
-        allowed = sampling_metadata.allowed_token_ids_mask
-        if sampling_metadata.no_penalties and allowed is None:
-            return logits
-        row_request = torch.repeat_interleave(torch.arange(len(num_draft)), rows) \
-            .to(logits.device)
-        logits = logits.to(torch.float32, copy=True)  # the raw logits stay for logprobs
-        if not sampling_metadata.no_penalties:
-            histories = []
-            for i, (req_id, n) in enumerate(zip(req_ids, num_draft)):
-                done = list(sampling_metadata.output_token_ids[i])
-                tree = self.state.trees.get(req_id) if n else None
-                histories += [done + (tree.path_tokens(r) if tree else []) for r in range(n + 1)]
-            logits = apply_all_penalties(
-                logits, sampling_metadata.prompt_token_ids[row_request],
-                sampling_metadata.presence_penalties[row_request],
-                sampling_metadata.frequency_penalties[row_request],
-                sampling_metadata.repetition_penalties[row_request], histories)
-        if allowed is not None:
-            logits.masked_fill_(allowed[row_request], float("-inf"))
-        return logits
+    def _compact(self, moves: list[tuple[int, int, list[int]]]) -> None:
+        """Move each accepted path's KV (slots L + a_j) to slots L + j, j = 1..m, in every layer,
+        so the next step's prefix is contiguous."""
+        if not moves:
+            return
+        kv_caches = self.kv_caches()
+        num_reqs = self.runner.input_batch.num_reqs
+        # the block table this step's attention metadata was built from
+        block_table = self.runner.input_batch.block_table[0].get_device_tensor(num_reqs)
+        for req_index, root, path in moves:
+            row = block_table[req_index]
+            src = root + torch.tensor(path, dtype=torch.int64, device=row.device)
+            dst = root + torch.arange(1, len(path) + 1, dtype=torch.int64, device=row.device)
+            move_kv(kv_caches, row, src, dst)
 
     def _logprobs(self, logits, drawn_at, tokens, max_num_logprobs):
         """Logprobs of the emitted tokens (and the top ones) in vLLM's padded spec-decode
@@ -96,6 +174,33 @@ class TreeVerifier:
         values = rows if sampler.logprobs_mode == "raw_logits" else sampler.compute_logprobs(rows)
         ids = tokens.flatten().clamp(min=0).to(torch.int64).to(logits.device)
         return sampler.gather_logprobs(values, max_num_logprobs, ids)
+
+
+def constrain(logits: torch.Tensor, rows: torch.Tensor, trees: list[VerifiedTree | None],
+              num_draft: list[int], sampling_metadata) -> torch.Tensor:
+    """What vLLM's rejection sampler applies to a chain's target logits, per tree node:
+    repetition/frequency/presence penalties over the request's output plus the node's path, and
+    allowed_token_ids. (Bad words and min_tokens are not applied to tree nodes.)
+
+    logits: [sum(rows), V]; rows: [num_reqs] logits rows per request (its nodes, root first)."""
+    allowed = sampling_metadata.allowed_token_ids_mask
+    if sampling_metadata.no_penalties and allowed is None:
+        return logits
+    row_request = torch.repeat_interleave(torch.arange(len(num_draft)), rows).to(logits.device)
+    logits = logits.to(torch.float32, copy=True)  # the raw logits stay for logprobs
+    if not sampling_metadata.no_penalties:
+        histories = []
+        for i, (v, n) in enumerate(zip(trees, num_draft)):
+            done = list(sampling_metadata.output_token_ids[i])
+            histories += [done + (v.tree.path_tokens(r) if v else []) for r in range(n + 1)]
+        logits = apply_all_penalties(
+            logits, sampling_metadata.prompt_token_ids[row_request],
+            sampling_metadata.presence_penalties[row_request],
+            sampling_metadata.frequency_penalties[row_request],
+            sampling_metadata.repetition_penalties[row_request], histories)
+    if allowed is not None:
+        logits.masked_fill_(allowed[row_request], float("-inf"))
+    return logits
 
 
 def draw_target_tokens(logits: torch.Tensor, rows_per_request: torch.Tensor,

@@ -2,7 +2,11 @@
 
 Skipped without CUDA. Run on a GPU machine with `python -m pytest -v tests/gpu`.
 SmolLM2-135M-Instruct is small, so the offload budgets below are small too: what is checked is
-that the substituted layers are exactly the offloaded ones and that greedy output is unchanged.
+that the substituted layers are exactly the offloaded ones and that greedy output is lossless by
+the project's standard (`subspec_testing.losslessness`): the runs are bf16 (FlashAttention has no
+fp32), so every difference from plain decoding must be a proven near-tie, re-scored by an fp32
+plain engine at the first difference. Raw bf16 equality would fail a correct run: the tree rows'
+attention rounds differently from FlashAttention's kernel.
 """
 
 import os
@@ -25,16 +29,33 @@ OFFLOAD = {
 
 @pytest.fixture(scope="module")
 def prompts():
-    from vllm_subspec.assets import chat_prompts, mt_bench_prompts, smollm2_path
+    from subspec_testing.assets import chat_prompts, mt_bench_prompts, smollm2_path
 
     return chat_prompts(smollm2_path(), mt_bench_prompts(NUM_PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def fp32_rescorer():
+    """A plain fp32 engine (no offload) that re-scores bf16 differences."""
+    from vllm import LLM
+
+    from subspec_testing.assets import smollm2_path
+    from subspec_testing.harness import shutdown_engine
+
+    llm = LLM(model=smollm2_path(), dtype="float32", gpu_memory_utilization=0.2,
+              max_model_len=2048, seed=0, enforce_eager=True)
+    yield llm
+    shutdown_engine(llm)
+    torch.cuda.empty_cache()
 
 
 def _layout(worker):
     from vllm_subspec.draft_model import SubstituteSet, decoder_layers
     from vllm_subspec.layer_selection import offloaded_layer_indices
 
-    model = worker.model_runner.model
+    # get_model(): under CUDA graphs `model_runner.model` is a CUDAGraphWrapper
+    # (gpu_model_runner.py 0.32.0 ~5209), which does not carry the substitutes
+    model = worker.model_runner.get_model()
     subs = SubstituteSet.of(model)
     tensors = [t for layer in subs.layers.values() for s in layer.values() for t in s.tensors()]
     from vllm.model_executor.offloader.base import get_offloader
@@ -46,15 +67,17 @@ def _layout(worker):
         "offloaded": offloaded,
         "kernels": sorted({s.kernel.name for layer in subs.layers.values()
                            for s in layer.values()}),
-        "substitutes_on_gpu": all(t.is_cuda for t in tensors),
+        "substitutes_on_gpu": bool(tensors) and all(t.is_cuda for t in tensors),
+        "substitute_bytes": subs.nbytes(),
+        "replaced_bytes": subs.replaced_bytes,
     }
 
 
 def _generate(prompts, spec, offload, enforce_eager):
     from vllm import LLM, SamplingParams
 
-    from vllm_subspec.assets import smollm2_path
-    from vllm_subspec.harness import shutdown_engine
+    from subspec_testing.assets import smollm2_path
+    from subspec_testing.harness import shutdown_engine
 
     llm = LLM(model=smollm2_path(), speculative_config=spec, enforce_eager=enforce_eager,
               gpu_memory_utilization=0.3, max_model_len=2048, seed=0, **OFFLOAD[offload])
@@ -62,7 +85,8 @@ def _generate(prompts, spec, offload, enforce_eager):
         greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         out = llm.generate(prompts, greedy, use_tqdm=False)
         layout = llm.collective_rpc(_layout)[0] if spec else None
-        return [list(o.outputs[0].token_ids) for o in out], layout
+        return ([list(o.outputs[0].token_ids) for o in out], layout,
+                [list(o.prompt_token_ids) for o in out])
     finally:
         shutdown_engine(llm)
         torch.cuda.empty_cache()
@@ -87,12 +111,17 @@ def test_gemlite_substitute_matches_reference():
 @pytest.mark.parametrize("method", [{"method": "subspec"},
                                     {"method": "subspec", "num_speculative_tokens": 8}],
                          ids=["tree", "chain"])
-def test_greedy_lossless_with_offload(prompts, offload, enforce_eager, method):
-    plain, _ = _generate(prompts, None, offload, enforce_eager)
-    spec, layout = _generate(prompts, method, offload, enforce_eager)
+def test_greedy_lossless_with_offload(prompts, fp32_rescorer, offload, enforce_eager, method):
+    from subspec_testing.losslessness import assert_lossless
+
+    plain, _, prompt_ids = _generate(prompts, None, offload, enforce_eager)
+    spec, layout, _ = _generate(prompts, method, offload, enforce_eager)
     assert layout["offloaded"], "the offload budget moved no layer to host memory"
     assert layout["substituted"] == layout["offloaded"]  # offload-aware, no flag needed
     assert layout["kernels"] == ["gemlite"]
     assert layout["substitutes_on_gpu"]  # no host memory beyond plain offloading
-    identical = sum(a == b for a, b in zip(plain, spec))
-    assert identical == len(prompts), f"{identical}/{len(prompts)} identical"
+    # 4-bit codes + 16-bit scale and zero per 64 weights: 4.5/16 of the bf16 bytes
+    assert 0.25 < layout["substitute_bytes"] / layout["replaced_bytes"] < 0.32
+    near_ties = assert_lossless(spec, plain, "bfloat16", fp32_rescorer, prompt_ids)
+    print(f"{offload}/{method}: {len(prompts) - len(near_ties)}/{len(prompts)} identical, "
+          f"near-ties {near_ties}")

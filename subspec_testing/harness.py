@@ -6,7 +6,7 @@ import gc
 import time
 from dataclasses import dataclass
 
-from vllm_subspec.metrics import AcceptanceStats, acceptance_stats
+from subspec_testing.metrics import AcceptanceStats, acceptance_stats
 
 # CPU-backend engine settings shared by the demo, benchmarks and tests.
 CPU_ENGINE_KWARGS = dict(

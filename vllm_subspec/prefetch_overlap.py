@@ -1,0 +1,157 @@
+"""The next verify pass's first offloaded-layer copies, run while SubSpec drafts, with CUDA graphs.
+
+vLLM's prefetch offloader (vllm/model_executor/offloader/prefetch.py, identical in 0.32.0 and
+0.33.0) keeps `s = offload_prefetch_step` GPU slots; offloaded layer i lives in slot i % s
+(`post_init`, :373). After layer i's forward the hook starts the copy of layer
+`_get_next_prefetch_index(i)` (:248-259); for the last layers that target is one of the first s
+("refill" copies: they put layers 0..s-1 back into the slots the later layers used).
+
+* Eager forwards: a refill copy is left running on the copy stream; the next forward's layer j
+  waits on its event (`_wait_for_layer`, :292-299). It already runs while the draft runs.
+* CUDA graphs (CUDAGraphWrapper, compilation/cuda_graph.py:309-360): the copy is captured into
+  the graph and `join_after_forward` (:315-334) makes the graph (FULL) or the piece (PIECEWISE)
+  end only once it has landed. The verify pass therefore ends after the refill copies; nothing
+  is left to overlap the draft.
+
+`PrefetchOverlap` moves the refill copies of graph forwards out of the graphs: while a graph
+is being captured, a start of a target below s is not issued (so it is not captured), and the
+copy is issued eagerly instead, outside any graph, on vLLM's copy stream, by vLLM's own
+`_ModuleOffloader.start_onload_to_static` (fork event on the compute stream first: the copy
+starts only after every kernel queued before it, i.e. after the last reader of the slot):
+
+1. `start_before_draft()` — by the proposer, after the verify pass and sampling were queued,
+   before drafting: the copies run while the draft runs;
+2. otherwise at the first `sync_prev_onload()` of the next graph forward (vLLM calls it before
+   every capture and replay), before vLLM's `wait_stream(copy_stream)` there;
+3. otherwise (an eager forward) in `_wait_for_layer(j)`, before vLLM's wait for that layer.
+
+The graph forward waits for them in `sync_prev_onload` (`wait_stream(copy_stream)`); an eager
+forward waits for each layer's `_copy_done_event`, which `start_onload_to_static` recorded
+outside capture (`_event_valid_for_eager`).
+
+Which layer each slot holds is tracked from every copy issued in Python (eager ring copies,
+the copies above, `post_init`'s first s); a graph forward (seen at its first `sync_prev_onload`,
+one forward context per target forward) is taken to leave the slots of layers s..n-1 in the
+slots of 0..s-1. A copy is issued only when a slot does not hold (or is not already loading)
+the layer about to read it, so eager mode gets no second copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter
+
+import torch
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
+
+_ATTR = "_subspec_prefetch_overlap"
+
+
+def _capturing() -> bool:
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+def _current_forward_context():
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context() if is_forward_context_available() else None
+
+
+class PrefetchOverlap:
+    """Installed on vLLM's PrefetchOffloader instance (instance attributes wrap three of its
+    methods; the class and every other offloader are untouched)."""
+
+    def __init__(self, offloader, forward_context=_current_forward_context):
+        self.offloader = offloader
+        self.modules = offloader.module_offloaders
+        self.n = len(self.modules)
+        self.s = offloader.prefetch_step
+        self.first = range(min(self.s, self.n))
+        # slots of layers j < s that layer j + s (and later ones) also use: a forward leaves
+        # them holding another layer
+        self.refilled = [j for j in self.first if j + self.s < self.n]
+        # slot -> layer whose copy was issued last (None: unknown, e.g. after a graph forward).
+        # post_init (prefetch.py:389-391) issues the first s layers; it runs after this object
+        # is created (GPUModelRunner.load_model: drafter.load_model 0.32.0 :5073, 0.33.0
+        # :5012; post_init 0.32.0 :5228, 0.33.0 :5167).
+        self.slot_layer: dict[int, int | None] = {j: j for j in self.first}
+        self._forward_context = forward_context
+        self._graph_forward: weakref.ref | None = None
+        self.counts: Counter[str] = Counter()  # copies issued by this class, by where
+        self._install()
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def from_offloader(cls, offloader, use_ubatching: bool = False) -> PrefetchOverlap | None:
+        """The overlap for vLLM's prefetch offloader; None for any other backend, for a ring in
+        which no slot is shared (s >= number of offloaded layers: nothing is refilled), and
+        with micro-batching (its two threads run forwards concurrently)."""
+        from vllm.model_executor.offloader.prefetch import PrefetchOffloader
+
+        if not isinstance(offloader, PrefetchOffloader) or not offloader.module_offloaders:
+            return None
+        existing = offloader.__dict__.get(_ATTR)
+        if existing is not None:
+            return existing
+        if use_ubatching or offloader.prefetch_step >= len(offloader.module_offloaders):
+            return None
+        return cls(offloader)
+
+    def _install(self) -> None:
+        off = self.offloader
+        self._orig_start = off._start_prefetch
+        self._orig_wait = off._wait_for_layer
+        self._orig_sync = off.sync_prev_onload
+        off._start_prefetch = self._start_prefetch
+        off._wait_for_layer = self._wait_for_layer
+        off.sync_prev_onload = self._sync_prev_onload
+        off.__dict__[_ATTR] = self
+
+    # ---- the copies --------------------------------------------------------------------
+    def _slot(self, layer: int) -> int:
+        return layer % self.s  # prefetch.py:373 (post_init)
+
+    def _ensure(self, layers, where: str) -> None:
+        """Issue the copy of every layer in `layers` whose slot holds another one (eager)."""
+        for j in layers:
+            if self.slot_layer.get(self._slot(j)) != j:
+                self.modules[j].start_onload_to_static()
+                self.slot_layer[self._slot(j)] = j
+                self.counts[where] += 1
+
+    def start_before_draft(self) -> None:
+        """Called by the proposer before drafting: start the next verify's first-layer copies.
+        A no-op after an eager forward (its own refill copies are already running)."""
+        if not _capturing():
+            self._ensure(self.first, "before_draft")
+
+    # ---- the wrapped PrefetchOffloader methods ---------------------------------------------
+    def _start_prefetch(self, layer_idx: int) -> None:
+        capturing = _capturing()
+        if capturing and layer_idx < self.s:
+            self.counts["not_captured"] += 1  # issued eagerly before the next forward instead
+            return
+        self._orig_start(layer_idx)
+        if not capturing:
+            self.slot_layer[self._slot(layer_idx)] = layer_idx
+
+    def _wait_for_layer(self, layer_idx: int) -> None:
+        if not _capturing():  # eager forward (or an offloaded layer run by the draft)
+            # layer 0 opens a forward: fill every first slot at once; later layers need their own
+            self._ensure(self.first if layer_idx == 0 else (layer_idx,), "eager_wait")
+        self._orig_wait(layer_idx)
+
+    def _sync_prev_onload(self) -> None:
+        if not _capturing():
+            # vLLM's graph wrappers call this only inside a forward context
+            # (cuda_graph.py:236-240); a call without one is treated as a new forward.
+            ctx = self._forward_context()
+            if ctx is None or self._graph_forward is None or self._graph_forward() is not ctx:
+                # first graph (or piece) of a new target forward
+                self._ensure(self.first, "graph_entry")
+                for j in self.refilled:  # its captured copies put layers j + s, ... there
+                    self.slot_layer[j] = None
+                self._graph_forward = None if ctx is None else weakref.ref(ctx)
+        self._orig_sync()  # vLLM: compute stream waits for the copy stream

@@ -1,0 +1,267 @@
+"""On-disk cache of built substitutes, so a model's HQQ solve runs once, not on every start.
+
+HQQ's proximal solver costs seconds per linear on a CPU (about 25 s for one 17920x1536
+`gate_up_proj` of Qwen2.5-1.5B on one core). What it produces, a `QuantizedWeight` (codes,
+scale, zero), is stored per linear in a safetensors file; a kernel is packed from it at load,
+which is cheap. Nothing here ever changes what the target outputs: substitutes only draft.
+
+Key (all of it must match, or the entry is rebuilt and overwritten):
+- the model's weight files: name, size and mtime of every *.safetensors / *.bin / *.pt / *.pth /
+  *.gguf in the model folder (a hub id is resolved to its local snapshot; otherwise no cache);
+- the linear: layer index, name, shape, dtype, and the device type (HQQ solves in fp16 on CUDA
+  and fp32 on CPU, so the two give different substitutes);
+- bits, group size, quantizer;
+- versions: this cache format, vllm-subspec, hqq, torch and vLLM.
+
+Location (`substitute_cache` in `speculative_config`): unset / true -> `$VLLM_SUBSPEC_CACHE_DIR`,
+else `$XDG_CACHE_HOME/vllm-subspec`, else `~/.cache/vllm-subspec`, plus `substitutes/`;
+a path -> that folder; false -> off. Entries live in `<root>/<model folder name>-<fingerprint>/`.
+Writes go to a temp file renamed into place (atomic); a truncated, corrupt or mismatched entry
+is logged and rebuilt; an unwritable cache logs a warning and never stops the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_subspec.substitute import QuantizedWeight
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
+
+CACHE_FORMAT = 1
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def default_root() -> Path:
+    env = os.environ.get("VLLM_SUBSPEC_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "vllm-subspec" / "substitutes"
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"format": str(CACHE_FORMAT), "torch": torch.__version__}
+    for dist in ("vllm-subspec", "hqq", "vllm"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = "none"
+    if out["vllm"] == "none":
+        try:
+            import vllm
+
+            out["vllm"] = vllm.__version__
+        except ImportError:
+            pass
+    return out
+
+
+def _local_model_dir(model: str, revision: str | None = None) -> Path | None:
+    """The local folder (or single .gguf file) holding `model`'s weights, or None."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    try:  # a hub id: its snapshot, when already downloaded (never downloads anything)
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:
+        return None
+
+
+def weight_fingerprint(model_path: Path) -> str | None:
+    """sha256 over (name, size, mtime) of the weight files; None when there are none."""
+    files = [model_path] if model_path.is_file() else sorted(
+        p for p in model_path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        return None
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [N, K] codes -> two 4-bit codes per byte (bits <= 4), else unchanged."""
+    if bits > 4:
+        return codes.contiguous()
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits > 4:
+        return packed
+    n = packed.shape[0]
+    return torch.stack((packed & 15, packed >> 4), dim=-1).view(n, -1)
+
+
+@dataclasses.dataclass
+class SubstituteCache:
+    """The cache for one model at one set of quantization options."""
+
+    folder: Path
+    fingerprint: str
+    bits: int
+    group_size: int
+    quantizer: str
+    versions: dict[str, str] = dataclasses.field(default_factory=_versions)
+    hits: int = 0
+    misses: int = 0
+    rebuilt: int = 0  # misses caused by an unreadable or mismatched entry
+    write_errors: int = 0
+
+    @classmethod
+    def create(cls, model: str, setting, options, revision: str | None = None
+               ) -> SubstituteCache | None:
+        """`setting`: the `substitute_cache` option (None/True: default folder, False: off, or a
+        path). None when caching is off or the model's weight files cannot be found."""
+        if setting is False:
+            return None
+        root = default_root() if setting in (None, True) else Path(setting).expanduser()
+        local = _local_model_dir(model, revision)
+        fingerprint = weight_fingerprint(local) if local is not None else None
+        if fingerprint is None:
+            logger.info("vllm-subspec: substitute cache off: no local weight files found for "
+                        "%r; substitutes are built on every start", model)
+            return None
+        name = (local.stem if local.is_file() else local.name) or "model"
+        return cls(folder=root / f"{name}-{fingerprint[:16]}", fingerprint=fingerprint,
+                   bits=options.bits, group_size=options.group_size,
+                   quantizer=options.quantizer)
+
+    def key(self, layer: int, name: str, shape, dtype: torch.dtype,
+            device: torch.device) -> dict:
+        return {"weights": self.fingerprint, "layer": int(layer), "linear": name,
+                "shape": [int(s) for s in shape], "dtype": str(dtype),
+                "device": torch.device(device).type, "bits": self.bits,
+                "group_size": self.group_size, "quantizer": self.quantizer,
+                "versions": self.versions}
+
+    def path(self, key: dict) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        return self.folder / f"layers.{key['layer']}.{key['linear']}-{digest}.safetensors"
+
+    def load(self, key: dict, device: torch.device) -> QuantizedWeight | None:
+        """The stored QuantizedWeight for `key`, or None (missing, unreadable or mismatched)."""
+        from safetensors import safe_open
+
+        path = self.path(key)
+        if not path.exists():
+            self.misses += 1
+            return None
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                stored = json.loads((f.metadata() or {}).get("subspec_key", "null"))
+                if stored != key:
+                    raise ValueError("its key does not match (a different model, linear, "
+                                     "option or version)")
+                codes = unpack_codes(f.get_tensor("codes"), self.bits)
+                scale, zero = f.get_tensor("scale"), f.get_tensor("zero")
+            n, k = key["shape"]
+            g = k // self.group_size
+            if (tuple(codes.shape) != (n, k) or codes.dtype != torch.uint8
+                    or tuple(scale.shape) != (n, g) or tuple(zero.shape) != (n, g)):
+                raise ValueError(f"unexpected tensor shapes {tuple(codes.shape)}, "
+                                 f"{tuple(scale.shape)}, {tuple(zero.shape)}")
+        except Exception as e:  # truncated file, corrupt header, wrong key: rebuild it
+            logger.warning("vllm-subspec: substitute cache entry %s is unusable (%s); "
+                           "rebuilding it", path, e)
+            self.misses += 1
+            self.rebuilt += 1
+            return None
+        self.hits += 1
+        return QuantizedWeight(codes=codes.to(device), scale=scale.float().to(device),
+                               zero=zero.float().to(device), bits=self.bits,
+                               group_size=self.group_size)
+
+    def store(self, key: dict, qw: QuantizedWeight) -> None:
+        from safetensors.torch import save_file
+
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"codes": pack_codes(qw.codes.cpu(), qw.bits),
+                       "scale": qw.scale.cpu().contiguous(), "zero": qw.zero.cpu().contiguous()},
+                      str(tmp), metadata={"subspec_key": json.dumps(key)})
+            os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
+        except OSError as e:
+            self.write_errors += 1
+            if self.write_errors == 1:
+                logger.warning("vllm-subspec: cannot write the substitute cache in %s (%s); "
+                               "continuing without it", self.folder, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+@contextlib.contextmanager
+def all_threads():
+    """Use every CPU this process may run on while quantizing, then restore torch's setting.
+    (vLLM's CPU worker pins itself to its OMP cores, so there this changes nothing.)"""
+    before = torch.get_num_threads()
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        available = os.cpu_count() or before
+    if available <= before:  # e.g. vLLM's CPU worker, pinned to its OMP cores: nothing to gain
+        yield
+        return
+    torch.set_num_threads(available)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def quantized_weights(jobs, options, device: torch.device, cache: SubstituteCache | None):
+    """Yield (job, linear, QuantizedWeight) for each `(job, layer_index, name, linear)`, loading
+    from `cache` where it can and building (then storing) the rest. One at a time, so at most
+    one linear's full-precision weight and codes are on `device` beyond the kernels built."""
+    from tqdm import tqdm
+
+    from vllm_subspec.substitute import quantize
+
+    built, start = 0, time.perf_counter()
+    with all_threads():
+        for job, index, name, linear in tqdm(
+                jobs, desc=f"SubSpec: {options.bits}-bit substitutes", unit="linear",
+                disable=not jobs):
+            w = linear.weight
+            key = cache.key(index, name, w.shape, w.dtype, device) if cache else None
+            qw = cache.load(key, device) if cache else None
+            if qw is None:
+                qw = quantize(w.data.to(device), bits=options.bits,
+                              group_size=options.group_size, method=options.quantizer)
+                built += 1
+                if cache:
+                    cache.store(key, qw)
+            yield job, linear, qw
+    if jobs:
+        where = f"{cache.hits} loaded from {cache.folder}" if cache else "no cache"
+        logger.info("vllm-subspec: substitutes ready in %.1f s: %d built, %s",
+                    time.perf_counter() - start, built, where)
+
+
+def cache_for_current_model(options) -> SubstituteCache | None:
+    """The cache for the target of the current vLLM config (None outside an engine, or off)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or vllm_config.model_config is None:
+        return None
+    mc = vllm_config.model_config
+    return SubstituteCache.create(mc.model, getattr(options, "substitute_cache", None), options,
+                                  revision=getattr(mc, "revision", None))
