@@ -14,7 +14,7 @@ from scipy.stats import chi2_contingency
 from vllm import SamplingParams
 
 from subspec_testing.metrics import acceptance_stats
-from vllm_subspec.patches import expand_batch_to_tokens
+from vllm_subspec.cpu_sampling_fix import expand_batch_to_tokens
 
 pytestmark = pytest.mark.e2e
 

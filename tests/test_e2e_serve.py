@@ -6,17 +6,13 @@ requests must get exactly the plain server's text and tokens; everything else (s
 strings, n>1, seeds, logprobs, disconnects, over-long prompts) must behave as on a plain server.
 """
 
-import json
-import os
 import re
-import shutil
-import socket
-import subprocess
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from subspec_testing.serve import serving
 
 pytestmark = pytest.mark.e2e
 
@@ -30,58 +26,14 @@ QUESTIONS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model, log, spec=None):
-    port = free_port()
-    cmd = [shutil.which("vllm") or "vllm", "serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--enforce-eager", "--dtype", "float32", "--seed", "0",
-           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(256 * 2**20)]
-    if spec:
-        cmd += ["--speculative-config", json.dumps(spec)]
-    out = open(log, "w")
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ)), \
-        f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc, base, log):
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-    pytest.fail("server did not come up:\n" + log.read_text()[-4000:])
-
-
 @pytest.fixture(scope="module")
 def servers(smollm2, tmp_path_factory):
     """(plain, subspec) OpenAI clients; both servers start in parallel."""
-    from openai import OpenAI
-
     logs = tmp_path_factory.mktemp("serve")
-    procs = {name: start_server(smollm2, logs / f"{name}.log", spec)
-             for name, spec in (("plain", None), ("subspec", SUBSPEC))}
-    try:
-        for name, (proc, base) in procs.items():
-            wait_healthy(proc, base, logs / f"{name}.log")
-        yield {name: OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-               for name, (_, base) in procs.items()}, smollm2, procs["subspec"][1], logs
-    finally:
-        for proc, _ in procs.values():
-            proc.terminate()
-        for proc, _ in procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with serving(smollm2, {"plain": None, "subspec": SUBSPEC}, logs,
+                 max_model_len=MAX_MODEL_LEN, kv_cache_bytes=256 * 2**20) as procs:
+        yield {name: s.client() for name, s in procs.items()}, smollm2, \
+            procs["subspec"].base, logs
 
 
 def chat(client, model, question, **kw):

@@ -104,3 +104,27 @@ def test_tree_with_prefills_preemption_and_prefix_cache(smollm2):
     assert metrics["vllm:num_preemptions"] > 0
     assert metrics["vllm:prefix_cache_hits"] > 0
     assert stats.tau > 3.0
+
+
+def test_bf16_tree_on_an_amx_cpu_runs_the_vec_kernels(tiny_llama, tmp_path):
+    """On CPUs with AMX tiles vLLM stores bf16 KV in its "amx" layout, which tree attention
+    cannot read; SubSpec tree engines run the "vec" kernels there (patches.py, patch 8). The
+    probe fakes AMX support in-process (this machine may not have it: the amx kernels would not
+    run here at all)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cpu_isa_probe.py")),
+                           tiny_llama, str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["isa"] == ["vec"]
+    assert len(result["token_ids"]) == 24

@@ -9,6 +9,8 @@ the target as the "draft model" (see `patches.py` for why).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from typing import Any
 
 METHOD = "subspec"
@@ -52,12 +54,13 @@ class SubSpecConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SubSpecOptions:
-    tree_width: int | None = None
-    """k: tree nodes kept per depth (1 = chain drafting). Default 6."""
-    tree_depth: int | None = None
+    """The resolved SubSpec options: every field concrete (`from_dict` validates user input and
+    fills the defaults; `options_from_vllm_config` does that once per process)."""
+
+    tree_width: int = DEFAULT_TREE_WIDTH
+    """k: tree nodes kept per depth (1 = chain drafting)."""
+    tree_depth: int = DEFAULT_TREE_DEPTH["cpu"]
     """D: draft depth. Default 48 on CUDA, 16 on CPU (DEFAULT_TREE_DEPTH)."""
-    num_speculative_tokens: int | None = None
-    """Chain depth; shorthand for tree_width=1, tree_depth=num_speculative_tokens."""
     substitute_layers: str | tuple[int, ...] = "offloaded"
     """"offloaded" (layers vLLM's offloader put in CPU memory), "all", or layer indices."""
     bits: int = 4
@@ -68,8 +71,8 @@ class SubSpecOptions:
     """Substitute matmul: auto (int4_cpu on CPU, gemlite on CUDA), int4_cpu, gemlite, reference."""
     quantizer: str = "hqq"
     """hqq (HQQ solver, the paper's choice) or rtn (round-to-nearest; fast, for tests)."""
-    substitute_cache: bool | str | None = None
-    """Built substitutes are cached on disk: unset/true = default folder, a path, or false (off)."""
+    substitute_cache: bool | str = True
+    """Built substitutes are cached on disk: true = default folder, a folder path, or false."""
 
     @property
     def is_tree(self) -> bool:
@@ -81,86 +84,42 @@ class SubSpecOptions:
         return self.tree_width * self.tree_depth
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        d = dataclasses.asdict(self)
         if isinstance(self.substitute_layers, tuple):
             d["substitute_layers"] = list(self.substitute_layers)
         return d
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SubSpecOptions:
-        """Validate user options. Every problem is reported in one message."""
+        """Validate user options (every problem in one message) and resolve the defaults.
+        `num_speculative_tokens: D` is the chain shorthand for tree_width 1, tree_depth D."""
         raw = {k.replace("-", "_"): v for k, v in raw.items()}
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} | {"num_speculative_tokens"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise SubSpecConfigError(
                 f"unknown speculative_config key(s) {unknown} for method 'subspec'; "
                 f"valid keys: {sorted(known | {'method'})}"
             )
-        opts = cls(**{k: v for k, v in raw.items() if k in known})
-        problems = opts._problems()
+        problems = _problems(raw)
         if problems:
             raise SubSpecConfigError("invalid speculative_config: " + "; ".join(problems))
-        if isinstance(opts.substitute_layers, list):
-            opts = dataclasses.replace(opts, substitute_layers=tuple(opts.substitute_layers))
-        return opts._resolve_shape()
-
-    def _resolve_shape(self) -> SubSpecOptions:
-        if self.num_speculative_tokens is not None:  # chain shorthand
-            return dataclasses.replace(self, tree_width=1,
-                                       tree_depth=self.num_speculative_tokens,
-                                       num_speculative_tokens=None)
-        width = DEFAULT_TREE_WIDTH if self.tree_width is None else self.tree_width
-        depth = self.tree_depth
-        if depth is None:
-            depth = DEFAULT_TREE_DEPTH["cpu" if _platform_is_cpu() else "cuda"]
-        if width * depth > MAX_TREE_NODES:
+        chain = raw.pop("num_speculative_tokens", None)
+        if chain is not None:
+            raw.update(tree_width=1, tree_depth=chain)
+        if raw.get("tree_width") is None:
+            raw["tree_width"] = DEFAULT_TREE_WIDTH
+        if raw.get("tree_depth") is None:
+            raw["tree_depth"] = DEFAULT_TREE_DEPTH["cpu" if _platform_is_cpu() else "cuda"]
+        if raw["tree_width"] * raw["tree_depth"] > MAX_TREE_NODES:
             raise SubSpecConfigError(
                 f"invalid speculative_config: tree_width * tree_depth must be at most "
-                f"{MAX_TREE_NODES}, got {width} * {depth}")
-        return dataclasses.replace(self, tree_width=width, tree_depth=depth)
-
-    def _problems(self) -> list[str]:
-        p = []
-        for name, hi in (("num_speculative_tokens", MAX_DEPTH), ("tree_depth", MAX_DEPTH),
-                         ("tree_width", MAX_WIDTH)):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 1 <= v <= hi):
-                p.append(f"{name} must be an integer in [1, {hi}], got {v!r}")
-        if self.num_speculative_tokens is not None and (
-                self.tree_depth is not None or self.tree_width not in (None, 1)):
-            p.append("num_speculative_tokens is the chain depth (tree_width=1); for a tree give "
-                     "tree_width and tree_depth instead")
-        layers = self.substitute_layers
-        if isinstance(layers, (list, tuple)):
-            if not all(_is_int(i) and i >= 0 for i in layers):
-                p.append(f"substitute_layers must list non-negative layer indices, got {layers!r}")
-            elif len(set(layers)) != len(layers):
-                p.append(f"substitute_layers has duplicate indices: {layers!r}")
-        elif layers not in _SUBSTITUTE_LAYER_MODES:
-            p.append(
-                f"substitute_layers must be one of {list(_SUBSTITUTE_LAYER_MODES)} or a list of "
-                f"layer indices, got {layers!r}"
-            )
-        if self.bits not in _BITS or not _is_int(self.bits):
-            p.append(f"bits must be one of {list(_BITS)}, got {self.bits!r}")
-        if self.group_size not in _GROUP_SIZES or not _is_int(self.group_size):
-            p.append(f"group_size must be one of {list(_GROUP_SIZES)}, got {self.group_size!r}")
-        t = self.draft_temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 10:
-            p.append(f"draft_temperature must be a number in (0, 10], got {t!r}")
-        if self.kernel not in _KERNELS:
-            p.append(f"kernel must be one of {list(_KERNELS)}, got {self.kernel!r}")
-        elif self.kernel == "int4_cpu" and self.bits != 4:
-            p.append(f"kernel 'int4_cpu' needs bits=4, got bits={self.bits}")
-        elif self.kernel == "gemlite" and self.bits != 4:
-            p.append(f"kernel 'gemlite' is wired for bits=4 only, got bits={self.bits}")
-        c = self.substitute_cache
-        if not (c is None or isinstance(c, bool) or (isinstance(c, str) and c.strip())):
-            p.append(f"substitute_cache must be true, false or a folder path, got {c!r}")
-        if self.quantizer not in _QUANTIZERS:
-            p.append(f"quantizer must be one of {list(_QUANTIZERS)}, got {self.quantizer!r}")
-        return p
+                f"{MAX_TREE_NODES}, got {raw['tree_width']} * {raw['tree_depth']}")
+        if isinstance(raw.get("substitute_layers"), list):
+            raw["substitute_layers"] = tuple(raw["substitute_layers"])
+        if raw.get("substitute_cache") is None:
+            raw.pop("substitute_cache", None)
+        return cls(**raw)
 
     def resolve_layers(self, num_layers: int, offloaded: list[int]) -> list[int]:
         """The decoder layer indices that get a substitute."""
@@ -174,6 +133,53 @@ class SubSpecOptions:
                 f"substitute_layers {bad} out of range: the model has {num_layers} layers"
             )
         return sorted(self.substitute_layers)
+
+
+def _problems(raw: dict[str, Any]) -> list[str]:
+    """Every problem with the user's (raw) SubSpec keys."""
+    p = []
+    get = raw.get
+    for name, hi in (("num_speculative_tokens", MAX_DEPTH), ("tree_depth", MAX_DEPTH),
+                     ("tree_width", MAX_WIDTH)):
+        v = get(name)
+        if v is not None and (not _is_int(v) or not 1 <= v <= hi):
+            p.append(f"{name} must be an integer in [1, {hi}], got {v!r}")
+    if get("num_speculative_tokens") is not None and (
+            get("tree_depth") is not None or get("tree_width") not in (None, 1)):
+        p.append("num_speculative_tokens is the chain depth (tree_width=1); for a tree give "
+                 "tree_width and tree_depth instead")
+    layers = get("substitute_layers", "offloaded")
+    if isinstance(layers, (list, tuple)):
+        if not all(_is_int(i) and i >= 0 for i in layers):
+            p.append(f"substitute_layers must list non-negative layer indices, got {layers!r}")
+        elif len(set(layers)) != len(layers):
+            p.append(f"substitute_layers has duplicate indices: {layers!r}")
+    elif layers not in _SUBSTITUTE_LAYER_MODES:
+        p.append(
+            f"substitute_layers must be one of {list(_SUBSTITUTE_LAYER_MODES)} or a list of "
+            f"layer indices, got {layers!r}"
+        )
+    bits, group_size = get("bits", 4), get("group_size", 64)
+    if bits not in _BITS or not _is_int(bits):
+        p.append(f"bits must be one of {list(_BITS)}, got {bits!r}")
+    if group_size not in _GROUP_SIZES or not _is_int(group_size):
+        p.append(f"group_size must be one of {list(_GROUP_SIZES)}, got {group_size!r}")
+    t = get("draft_temperature", 0.2)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 10:
+        p.append(f"draft_temperature must be a number in (0, 10], got {t!r}")
+    kernel = get("kernel", "auto")
+    if kernel not in _KERNELS:
+        p.append(f"kernel must be one of {list(_KERNELS)}, got {kernel!r}")
+    elif kernel == "int4_cpu" and bits != 4:
+        p.append(f"kernel 'int4_cpu' needs bits=4, got bits={bits}")
+    elif kernel == "gemlite" and bits != 4:
+        p.append(f"kernel 'gemlite' is wired for bits=4 only, got bits={bits}")
+    c = get("substitute_cache")
+    if not (c is None or isinstance(c, bool) or (isinstance(c, str) and c.strip())):
+        p.append(f"substitute_cache must be true, false or a folder path, got {c!r}")
+    if get("quantizer", "hqq") not in _QUANTIZERS:
+        p.append(f"quantizer must be one of {list(_QUANTIZERS)}, got {get('quantizer')!r}")
+    return p
 
 
 def _platform_is_cpu() -> bool:
@@ -205,7 +211,13 @@ def check_target_supported(hf_config: Any, tensor_parallel_size: int, pipeline_p
 
 
 def options_from_vllm_config(vllm_config: Any) -> SubSpecOptions | None:
-    """The SubSpec options carried by a VllmConfig, or None when SubSpec is off."""
+    """The SubSpec options carried by a VllmConfig, or None when SubSpec is off. The front end
+    stores them resolved (`to_dict`); each process parses them once (`_parse_resolved`)."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     raw = extra.get(ADDITIONAL_CONFIG_KEY)
-    return None if raw is None else SubSpecOptions.from_dict(raw)
+    return None if raw is None else _parse_resolved(json.dumps(raw, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_resolved(raw_json: str) -> SubSpecOptions:
+    return SubSpecOptions.from_dict(json.loads(raw_json))

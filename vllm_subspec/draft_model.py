@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vllm_subspec.config import SUBSTITUTE_LINEARS, SubSpecOptions
+from vllm_subspec.config import SUBSTITUTE_LINEARS, SubSpecConfigError, SubSpecOptions
 from vllm_subspec.substitute import SubstituteLinear, substitute_from_quantized
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
@@ -90,6 +90,35 @@ class SubstituteSet:
     @staticmethod
     def of(model: nn.Module) -> SubstituteSet | None:
         return model.__dict__.get(_SUBSTITUTES_ATTR)
+
+
+def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
+                       device: torch.device) -> None:
+    """Build the substitutes of the layers `options` selects (by default the ones vLLM's
+    offloader put in host memory) and attach them to the freshly loaded target (weight hook)."""
+    from vllm.model_executor.offloader.base import get_offloader
+
+    from vllm_subspec.layer_selection import offloaded_layer_indices
+
+    if SubstituteSet.of(model) is not None:
+        return
+    layers = decoder_layers(model)
+    offloaded = offloaded_layer_indices(layers, vllm_config.offload_config, device,
+                                        get_offloader())
+    chosen = options.resolve_layers(len(layers), offloaded)
+    streamed = sorted(set(offloaded) - set(chosen))
+    if streamed and getattr(get_offloader(), "module_offloaders", None):
+        # the draft would run their prefetch hooks: read whatever the ring put in their slot
+        # and start copies of its own (docs/gpu.md, "Prefetch overlap")
+        raise SubSpecConfigError(
+            f"substitute_layers must include every layer the prefetch offloader streams "
+            f"from CPU memory; missing {streamed} (use 'offloaded' or 'all')")
+    if not chosen:
+        logger.warning(
+            "vllm-subspec: substitute_layers=%r selected no layer (no weights are offloaded); "
+            "the draft is the full-precision target", options.substitute_layers)
+    subs = build_substitutes(model, chosen, options, device)
+    subs.attach_to(model)  # the layout is logged once the KV cache is sized (the proposer)
 
 
 def draft_row_counts(max_num_seqs: int, tree_width: int) -> list[int]:

@@ -16,7 +16,6 @@ import torch
 from vllm_subspec.config import (
     ADDITIONAL_CONFIG_KEY,
     METHOD,
-    SubSpecConfigError,
     options_from_vllm_config,
 )
 
@@ -100,39 +99,14 @@ def _patch_weight_hook() -> None:
             vllm_config = get_current_vllm_config_or_none()
             options = options_from_vllm_config(vllm_config) if vllm_config else None
             if options is not None and model_config is vllm_config.model_config:
+                from vllm_subspec.draft_model import attach_substitutes
+
                 attach_substitutes(model, options, vllm_config, torch.device(target_device))
             return original(model, model_config, target_device)
 
         return process_weights_after_loading
 
     _wrap(base_loader, "process_weights_after_loading", make, "weight_hook")
-
-
-def attach_substitutes(model, options, vllm_config, device: torch.device) -> None:
-    from vllm.model_executor.offloader.base import get_offloader
-
-    from vllm_subspec.draft_model import SubstituteSet, build_substitutes, decoder_layers
-    from vllm_subspec.layer_selection import offloaded_layer_indices
-
-    if SubstituteSet.of(model) is not None:
-        return
-    layers = decoder_layers(model)
-    offloaded = offloaded_layer_indices(layers, vllm_config.offload_config, device,
-                                        get_offloader())
-    chosen = options.resolve_layers(len(layers), offloaded)
-    streamed = sorted(set(offloaded) - set(chosen))
-    if streamed and getattr(get_offloader(), "module_offloaders", None):
-        # the draft would run their prefetch hooks: read whatever the ring put in their slot
-        # and start copies of its own (docs/gpu.md, "Prefetch overlap")
-        raise SubSpecConfigError(
-            f"substitute_layers must include every layer the prefetch offloader streams "
-            f"from CPU memory; missing {streamed} (use 'offloaded' or 'all')")
-    if not chosen:
-        logger.warning(
-            "vllm-subspec: substitute_layers=%r selected no layer (no weights are offloaded); "
-            "the draft is the full-precision target", options.substitute_layers)
-    subs = build_substitutes(model, chosen, options, device)
-    subs.attach_to(model)  # the layout is logged once the KV cache is sized (the proposer)
 
 
 # ---- 4. install the SubSpec drafter ------------------------------------------------------
@@ -233,20 +207,8 @@ def _patch_attention_backends() -> None:
 
 
 # ---- 7. CPU only: vLLM bug in expand_batch_to_tokens -------------------------------------
-# Target: vllm.v1.sample.rejection_sampler.expand_batch_to_tokens (0.32.0 :581, 0.33 :648).
-# On CPU its kernel (`vllm/utils/cpu_triton_utils.py` `_expand_kernel_impl`) writes into an int64
-# *copy* of a float/int32 output and never copies back, so per-token temperature/top-k/top-p are
-# uninitialised memory and every T>0 speculative step samples from garbage (upstream #55005).
-def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
-                           replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
-    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
-    x = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype), x)
-    out = x.new_zeros(num_tokens)
-    expanded = torch.repeat_interleave(x, counts)
-    out[: expanded.numel()] = expanded[:num_tokens]
-    return out
-
-
+# Target: vllm.v1.sample.rejection_sampler.expand_batch_to_tokens (0.32.0 :581, 0.33 :648),
+# replaced on CPU by a torch version (upstream #55005; the bug: cpu_sampling_fix.py).
 def _patch_cpu_expand() -> None:
     from vllm.platforms import current_platform
 
@@ -254,8 +216,39 @@ def _patch_cpu_expand() -> None:
         return
     from vllm.v1.sample import rejection_sampler
 
+    from vllm_subspec.cpu_sampling_fix import expand_batch_to_tokens
+
     _wrap(rejection_sampler, "expand_batch_to_tokens", lambda original: expand_batch_to_tokens,
           "cpu_expand")
+
+
+# ---- 8. CPU only: tree KV in a layout tree attention reads --------------------------------
+# Target: vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder.__init__ (0.32.0 :132),
+# which picks the attention ISA (`_get_attn_isa` :520: "amx" for bf16 on AMX CPUs) and stamps it
+# on every layer of its group (`_set_isa_to_layers` :169); the layers' KV is written in that
+# ISA's layout. The rule (vec for trees) lives in tree_attention.tree_cpu_attn_isa.
+def _patch_cpu_attention_isa() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    def make(original):
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs):
+            original(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs)
+            options = options_from_vllm_config(vllm_config)
+            if options is not None and options.is_tree:
+                from vllm_subspec.tree_attention import tree_cpu_attn_isa
+
+                isa = tree_cpu_attn_isa(self.isa)
+                if isa != self.isa:
+                    self.isa = isa
+                    self._set_isa_to_layers(layer_names)
+
+        return __init__
+
+    _wrap(CPUAttentionMetadataBuilder, "__init__", make, "cpu_attention_isa")
 
 
 def vllm_version_supported(version: str) -> bool:
@@ -283,5 +276,6 @@ def apply_all() -> bool:
     _patch_tree_verify()
     _patch_attention_backends()
     _patch_cpu_expand()
+    _patch_cpu_attention_isa()
     logger.debug("vllm-subspec patches applied in pid %d", os.getpid())
     return True

@@ -263,5 +263,5 @@ def cache_for_current_model(options) -> SubstituteCache | None:
     if vllm_config is None or vllm_config.model_config is None:
         return None
     mc = vllm_config.model_config
-    return SubstituteCache.create(mc.model, getattr(options, "substitute_cache", None), options,
+    return SubstituteCache.create(mc.model, options.substitute_cache, options,
                                   revision=getattr(mc, "revision", None))

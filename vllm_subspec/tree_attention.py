@@ -145,6 +145,17 @@ def layout_for(impl, kv_cache: torch.Tensor):
                        "use the FLASH_ATTN attention backend or tree_width=1")
 
 
+def tree_cpu_attn_isa(isa: str) -> str:
+    """The CPU attention ISA to run when SubSpec drafts trees. vLLM picks "amx" for bf16 on CPUs
+    with AMX tiles; its KV layout is one tree attention cannot read, so those engines run the
+    "vec" kernels (AVX-512, present on every AMX CPU) instead: same results, a slower kernel."""
+    if isa == "amx":
+        logger.info("vllm-subspec: CPU attention ISA amx -> vec for tree drafting (tree "
+                    "attention reads the vec KV layout)")
+        return "vec"
+    return isa
+
+
 _CPU_LAYOUT_CHECKED: dict[str, bool] = {}
 
 
