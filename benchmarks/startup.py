@@ -30,7 +30,7 @@ from depth_sweep import RESULTS, environment, model_path  # noqa: E402
 def _counts(worker):
     from vllm_subspec.draft_model import SubstituteSet
 
-    subs = SubstituteSet.of(worker.model_runner.model)
+    subs = SubstituteSet.of(worker.model_runner.get_model())  # not .model: CUDA graphs wrap it
     return subs.built, subs.cache_hits, subs.build_seconds
 
 

@@ -121,3 +121,4 @@ def run_engine(model: str, prompts, sampling_params, speculative_config=None,
         return EngineRun(timed, batched, after[0] - before[0], after[1] - before[1])
     finally:
         shutdown_engine(llm)
+

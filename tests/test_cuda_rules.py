@@ -124,3 +124,40 @@ def test_cpu_platform_is_untouched(tiny_llama):
     cfg = EngineArgs(model=tiny_llama, speculative_config=dict(TREE), max_model_len=512) \
         .create_engine_config()
     assert cfg.attention_config.backend is None  # the CPU backend; no offload needed
+
+
+def test_backend_per_kind_is_refused_for_trees(monkeypatch, tiny_llama):
+    with pytest.raises(SubSpecConfigError, match="backend_per_kind is not supported"):
+        cuda_config(monkeypatch, tiny_llama, TREE, **OFFLOAD,
+                    attention_config={"backend_per_kind": {"full_attention": "FLASH_ATTN"}})
+
+
+def test_breakable_cuda_graphs_are_refused_in_the_worker(monkeypatch, tiny_llama):
+    cfg, fake = cuda_config(monkeypatch, tiny_llama, TREE, **OFFLOAD)
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    with pytest.raises(SubSpecConfigError, match="breakable graphs True"):
+        check_final_config(cfg, options_from_vllm_config(cfg), fake)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_unreadable_kv_is_refused_for_trees_on_every_platform(monkeypatch, tmp_path, tiny_llama,
+                                                              platform):
+    """fp8 KV (no scales in the tree gather) and sliding windows (ignored by the tree rows):
+    refused for trees on the CPU backend too; chains are unaffected."""
+    model = tmp_path / "swa"
+    shutil.copytree(tiny_llama, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(sliding_window=256, layer_types=["sliding_attention"] * cfg["num_hidden_layers"])
+    (model / "config.json").write_text(json.dumps(cfg))
+
+    def config(model, spec, **kw):
+        if platform == "cuda":
+            return cuda_config(monkeypatch, str(model), spec, **OFFLOAD, **kw)[0]
+        return EngineArgs(model=str(model), speculative_config=dict(spec), max_model_len=512,
+                          **kw).create_engine_config()
+
+    with pytest.raises(SubSpecConfigError, match="sliding-window attention .window 256"):
+        config(model, TREE)
+    with pytest.raises(SubSpecConfigError, match="kv_cache_dtype 'fp8' is not supported"):
+        config(tiny_llama, TREE, kv_cache_dtype="fp8")
+    assert config(model, CHAIN).speculative_config.method == "draft_model"

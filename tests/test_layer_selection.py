@@ -82,3 +82,24 @@ def test_prefetch_plan_matches_vllm_prefetch_offloader(monkeypatch, group, num, 
     cfg = OffloadConfig(prefetch=PrefetchOffloadConfig(
         offload_group_size=group, offload_num_in_group=num, offload_params=params))
     assert planned_offload(ls, cfg) == vllm_choice
+
+
+def test_prefetch_streamed_layers_must_all_be_substituted(monkeypatch):
+    """A layer the prefetch ring streams but the draft runs at full precision would run the
+    ring's hooks inside the draft (docs/gpu.md, "Prefetch overlap"): refused at load."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.offloader import base
+
+    from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
+    from vllm_subspec.draft_model import attach_substitutes
+
+    ls = layers(4)
+    model = SimpleNamespace(model=SimpleNamespace(layers=ls), __dict__={})
+    offloader = SimpleNamespace(module_offloaders=[SimpleNamespace(module=ls[1]),
+                                                   SimpleNamespace(module=ls[3])])
+    monkeypatch.setattr(base, "get_offloader", lambda: offloader)
+    cfg = SimpleNamespace(offload_config=OffloadConfig())
+    with pytest.raises(SubSpecConfigError, match=r"missing \[3\]"):
+        attach_substitutes(model, SubSpecOptions(substitute_layers=(1,)), cfg,
+                           torch.device("cpu"))

@@ -172,3 +172,35 @@ def test_warm_up_runs_each_linear_shape_once_per_warm_up_key():
     assert sorted(calls) == sorted((n, m) for n in subs.layers[0] for m in (1, 2, 4, 8))
     # the CPU kernel compiles nothing per row count: one call per linear
     assert Int4CpuKernel.warm_up_key(7) is None and ReferenceKernel.warm_up_key(7) is None
+
+
+def test_substitutes_are_found_through_get_model_under_cuda_graphs():
+    """Under CUDA graphs `model_runner.model` is vLLM's CUDAGraphWrapper, whose own __dict__
+    does not carry the substitutes; `get_model()` unwraps it. Nothing in the repository may read
+    `model_runner.model` (tests/gpu once did: its checks would have seen no substitutes)."""
+    import re
+    import subprocess
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_subspec.draft_model import SubstituteSet
+
+    target = torch.nn.Linear(2, 2)
+    SubstituteSet(num_layers=1).attach_to(target)
+    wrapper = object.__new__(CUDAGraphWrapper)  # its __init__ needs a CUDA platform
+    wrapper.__dict__["runnable"] = target
+    runner = SimpleNamespace(model=wrapper)
+    assert SubstituteSet.of(runner.model) is None
+    assert SubstituteSet.of(GPUModelRunner.get_model(runner)) is not None
+
+    repo = Path(__file__).resolve().parent.parent
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                            "*.py"], cwd=repo, capture_output=True, text=True).stdout.split()
+    code = lambda f: "\n".join(  # noqa: E731  (comments dropped)
+        line.split("#")[0] for line in (repo / f).read_text().splitlines())
+    readers = [f for f in files if f != "tests/test_substitute.py"
+               and re.search(r"model_runner\.model\b(?!_)", code(f))]
+    assert readers == []

@@ -266,7 +266,7 @@ def test_all_threads_restores_and_threaded_hqq_is_bit_exact():
 def _substitute_counts(worker):
     from vllm_subspec.draft_model import SubstituteSet
 
-    subs = SubstituteSet.of(worker.model_runner.model)
+    subs = SubstituteSet.of(worker.model_runner.get_model())  # not .model: CUDA graphs wrap it
     return subs.built, subs.cache_hits, sum(len(d) for d in subs.layers.values())
 
 

@@ -15,11 +15,12 @@ CUDA rules, for trees (tree_width > 1):
   by default for draft_model (`config/vllm.py` 0.32.0 :1585-1644); the CPU platform forces it off.
 - attention backend pinned to FLASH_ATTN: the ancestor-only mask is applied in
   `FlashAttentionImpl.forward` only (patches.py); other backends (FlashInfer is the default on
-  Blackwell, `platforms/cuda.py` :155-162) would silently run causal attention over the tree.
+  Blackwell, `platforms/cuda.py` 0.32.0 :158-166) would silently run causal attention over the tree.
 - PIECEWISE CUDA graphs: the mask runs in the backend's Python forward, outside the graphs.
-- refused: fp8 KV caches (the tree gather reads raw cache bytes, without k/v scales), active
-  sliding windows (blocks outside the window may be freed), dtypes or GPUs FlashAttention does
-  not support.
+- refused: dtypes or GPUs FlashAttention does not support.
+Rule for trees on every platform (the CPU backend too): refused are quantized (fp8) KV caches
+(the tree gather reads raw cache bytes, without k/v scales) and active sliding windows (the tree
+rows ignore the window, and blocks outside it may be freed).
 CUDA rule for every shape: something must be offloaded, or the draft is the full-precision target
 (D full forwards per step, slower than plain decoding).
 """
@@ -87,13 +88,14 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
                          platform) -> None:
     """Set (or refuse) the engine arguments SubSpec needs on `platform` (vLLM's
     current_platform; tests pass a stand-in). Mutates `engine_args` (vLLM's EngineArgs)."""
+    if options.is_tree:  # every platform: the tree gather reads raw, unwindowed KV
+        _refuse_unreadable_kv(engine_args, target_model_config)
     if not platform.is_cuda_alike():
         return  # the CPU platform: no async scheduling, its own attention backend
     _require_offload(engine_args, options)
     if not options.is_tree:
         return
     _no_async_scheduling(engine_args)
-    _refuse_unreadable_kv(engine_args, target_model_config)  # before FlashAttention's own check
     _pin_flash_attention(engine_args, target_model_config, platform)
     engine_args.compilation_config.cudagraph_mode = tree_cudagraph_mode(
         engine_args.compilation_config.cudagraph_mode)

@@ -6,10 +6,14 @@ every row; then, for the rows of tree requests listed in the active `TreePlan`, 
 recomputed with the right mask: the whole prefix [0, L) plus the node's ancestors and itself.
 Rows of other requests (prefills, plain decodes) are left exactly as the backend computed them.
 
-The recomputation gathers K/V from the paged cache with torch (SDPA with a boolean mask). The
-cache layout is backend specific (`PagedKVLayout`): the CPU backend stores each block's keys
-transposed ([head_dim, block_size]) for its "vec"/"vec16" kernels, which is verified against the
-backend's own writer (`check_cpu_layout`) before first use; AMX layouts are refused.
+On the CPU backend the tree rows are recomputed by vLLM's own attention kernel, run as one decode
+row per tree node over a scratch paged cache that holds exactly that node's context in order
+(the prefix, then its ancestors, then itself), so every row gets the bits plain decoding would
+give that token (`_cpu_kernel_rows`). The cache layout is backend specific (`PagedKVLayout`):
+the CPU backend stores each block's keys transposed ([head_dim, block_size]) for its
+"vec"/"vec16" kernels, which is verified against the backend's own writer (`check_cpu_layout`)
+before first use; AMX layouts are refused. Other backends (FlashAttention) gather K/V with torch
+and compute the masked attention in fp32 (`_torch_rows`).
 """
 
 from __future__ import annotations
@@ -72,15 +76,18 @@ def logical_to_slots(block_table: torch.Tensor, logical: torch.Tensor, block_siz
 class CpuVecLayout:
     """vLLM CPU backend, ISA vec/vec16: kv_cache [num_blocks, kv_heads, block, 2*head_dim]
     holding per block and head the keys transposed ([head_dim, block]) then the values
-    ([block, head_dim])."""
+    ([block, head_dim]). `isa` is the attention ISA the backend chose for the layer (`layer.isa`;
+    by default the one `_get_attn_isa` picks on a CPU without AMX)."""
 
-    def __init__(self, kv_cache: torch.Tensor):
+    def __init__(self, kv_cache: torch.Tensor, isa: str | None = None):
         nb, h, bs, d2 = kv_cache.shape
         d = d2 // 2
         parts = kv_cache.view(nb, h, 2, bs * d)
         self.keys_t = parts[:, :, 0].view(nb, h, d, bs)
         self.values = parts[:, :, 1].view(nb, h, bs, d)
         self.block_size, self.kv_heads = bs, h
+        self.kv_cache = kv_cache
+        self.isa = isa or ("vec" if bs % 32 == 0 and d % 32 == 0 else "vec16")
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V at absolute slots -> [T, kv_heads, head_dim] each."""
@@ -89,12 +96,15 @@ class CpuVecLayout:
         v = self.values[blk, :, off, :]
         return k, v
 
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the K/V of slots src to slots dst (all sources read before any write)."""
-        k, v = self.gather(src)
-        blk, off = dst // self.block_size, dst % self.block_size
+    def put(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K, V ([T, kv_heads, head_dim]) at absolute slots (the inverse of `gather`)."""
+        blk, off = slots // self.block_size, slots % self.block_size
         self.keys_t[blk, :, :, off] = k
         self.values[blk, :, off, :] = v
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots src to slots dst (all sources read before any write)."""
+        self.put(dst, *self.gather(src))
 
 
 class FlashAttentionLayout:
@@ -188,11 +198,83 @@ def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, 
                         scale: float) -> torch.Tensor:
     """Attention output [q_len, heads, head_dim] for one request's tree rows.
 
-    Row r sees the prefix [0, L) and the tree slots its mask allows (its ancestors and itself).
-    Scores against the prefix and against the tree slots are two batched matmuls over all rows;
-    masked tree slots get -inf, so they add exact zeros. Computed in fp32: on the CPU backend this
-    reproduces the kernel's decode output to within 1 bf16 ulp (identical on short contexts).
+    Row r sees the prefix [0, L) and the tree slots its mask allows (its ancestors and itself,
+    at least one position in all). On the CPU backend this is vLLM's own kernel over exactly those
+    positions (`_cpu_kernel_rows`: bit-identical to the decode row plain decoding computes for that
+    token); elsewhere a torch fp32 recomputation (`_torch_rows`).
     """
+    if isinstance(layout, CpuVecLayout) and layout.kv_cache.dtype == query.dtype:
+        return _cpu_kernel_rows(query, layout, block_table, rows, scale)
+    return _torch_rows(query, layout, block_table, rows, scale)
+
+
+def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, block_table: torch.Tensor,
+                     rows: TreeRows, scale: float) -> torch.Tensor:
+    """Tree rows through vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`).
+
+    Each row becomes one decode request over a scratch paged cache: the whole blocks of the prefix
+    are copied once and shared by all rows; each row gets its own tail blocks holding the rest of
+    the prefix followed by the K/V of the tree slots it sees, in slot order (root, ancestors,
+    itself), i.e. exactly the context plain decoding has at that node, at the same positions.
+    The kernel's arithmetic (fp32 FMA dot products, its polynomial exp, lane-wise sums, sequential
+    P·V, one rounding at the end) is thus reproduced by construction, not imitated. KV splitting is
+    off, as in a decode that is not split across threads (always the case with one OMP thread).
+    Masked slots are simply not in a row's context.
+    """
+    from vllm import _custom_ops as ops
+
+    mask = rows.tree_mask.to(device="cpu", dtype=torch.bool)
+    q_len = mask.shape[0]
+    L, bs = rows.prefix_len, layout.block_size
+    kv = layout.kv_cache
+    kv_heads, d = kv.shape[1], kv.shape[3] // 2
+    heads = query.shape[1]
+    seen = mask.sum(1)  # tree slots visible to each row
+    full, lead = divmod(L, bs)  # whole prefix blocks; prefix tokens in the block after them
+    tail = -(-(lead + int(seen.max())) // bs)  # blocks per row after the shared ones
+    table = block_table.to(device="cpu", dtype=torch.int64)
+
+    scratch = kv.new_empty(full + q_len * tail, *kv.shape[1:])
+    if full:
+        torch.index_select(kv, 0, table[:full], out=scratch[:full])
+    tails = scratch[full:].view(q_len, tail, *kv.shape[1:])
+    tails.zero_()  # the kernel reads V up to its 32-token alignment (times a zero probability)
+    if lead:
+        tails[:, 0] = kv[table[full]]
+    r, j = mask.nonzero(as_tuple=True)  # row-major: each row's slots in ascending order
+    k, v = layout.gather(logical_to_slots(table, L + j, bs))
+    start = torch.cumsum(seen, 0) - seen
+    pos = lead + torch.arange(r.numel()) - start[r]  # position inside the row's tail blocks
+    out_layout = CpuVecLayout(scratch)
+    out_layout.put((full + r * tail + pos // bs) * bs + pos % bs, k, v)
+
+    req_table = torch.empty(q_len, full + tail, dtype=torch.int32)
+    req_table[:, :full] = torch.arange(full, dtype=torch.int32)
+    req_table[:, full:] = full + torch.arange(q_len, dtype=torch.int32)[:, None] * tail \
+        + torch.arange(tail, dtype=torch.int32)
+    seq_lens = (L + seen).to(torch.int32)
+    starts = torch.arange(q_len + 1, dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=q_len, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=seq_lens,
+        dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1,
+        isa=layout.isa, enable_kv_split=False)
+    key_cache, value_cache = scratch.view(scratch.shape[0], kv_heads, 2 * bs, d).chunk(2, dim=2)
+    q = query[rows.q_start: rows.q_start + q_len]
+    out = torch.empty(q_len, heads, d, dtype=query.dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=starts, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
+        sliding_window=-1, block_table=req_table, softcap=0.0, scheduler_metadata=metadata,
+        s_aux=None)
+    return out
+
+
+def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
+                scale: float) -> torch.Tensor:
+    """The tree rows recomputed with torch in fp32 (FlashAttention, or a CPU cache whose dtype
+    differs from the query's). Scores against the prefix and against the tree slots are two
+    batched matmuls over all rows; masked tree slots get -inf, so they add exact zeros. Against
+    vLLM's CPU kernel this differs by up to 1 bf16 ulp (see docs/tree_attention.md)."""
     q_len, m = rows.tree_mask.shape
     dev = query.device
     q = query[rows.q_start: rows.q_start + q_len].float()  # [q_len, heads, d]
@@ -218,6 +300,8 @@ def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) ->
         check_cpu_layout(getattr(layer, "isa", "?"), kv_cache.shape[-1] // 2, kv_cache.shape[2],
                          kv_cache.dtype)
     layout = layout_for(impl, kv_cache)
+    if isinstance(layout, CpuVecLayout):
+        layout.isa = getattr(layer, "isa", layout.isa)
     block_table = attn_metadata.block_table if hasattr(attn_metadata, "block_table") \
         else attn_metadata.block_table_tensor
     heads = query.shape[1]

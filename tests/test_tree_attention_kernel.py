@@ -1,0 +1,205 @@
+"""Tree rows on the CPU backend are bit-identical to vLLM's own decode attention.
+
+Caches are written with vLLM's writer (`cpu_attn_reshape_and_cache`) and the reference is vLLM's
+CPU attention kernel (`cpu_attention_with_kv_cache`) run as plain decoding runs it: one decode row
+per token over its causal context. A pure-torch emulation of the kernel's arithmetic pins down what
+that arithmetic is (docs/tree_attention.md), so a vLLM upgrade that changes it is noticed.
+"""
+
+import platform
+
+import pytest
+import torch
+
+from vllm_subspec.tree import TreeBatch, TreeShape
+from vllm_subspec.tree_attention import CpuVecLayout, TreeRows, _torch_rows, tree_attention_rows
+
+
+def _ops():
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the vec attention ISA is vLLM's x86 CPU kernel")
+    try:
+        from vllm import _custom_ops as ops
+
+        torch.ops._C.cpu_attention_with_kv_cache  # noqa: B018
+        torch.ops._C.get_scheduler_metadata  # noqa: B018
+    except (ImportError, AttributeError, RuntimeError) as e:
+        pytest.skip(f"vLLM's CPU attention op is not available: {e!r}")
+    return ops
+
+
+BS = 128  # the CPU backend's default block size
+CONFIGS = [(9, 3, 64), (12, 2, 128)]  # heads, kv heads, head dim
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write(ops, kv, keys, values, slots):
+    nb, kvh, bs, d2 = kv.shape
+    kc, vc = kv.view(nb, kvh, 2 * bs, d2 // 2).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, "vec", k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+
+
+def decode(ops, q, kv, block_table, seq_len, scale):
+    """vLLM's kernel for one decode row (q [heads, d]) at the end of a causal context."""
+    nb, kvh, bs, d2 = kv.shape
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    md = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=q.shape[0], num_kv_heads=kvh, head_dim=d2 // 2,
+        seq_lens=i32([seq_len]), dtype=q.dtype, query_start_loc=i32([0, 1]), causal=True,
+        sliding_window_size=-1, isa="vec", enable_kv_split=False)
+    kc, vc = kv.view(nb, kvh, 2 * bs, d2 // 2).chunk(2, dim=2)
+    out = torch.empty(1, *q.shape, dtype=q.dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=q[None], key_cache=kc, value_cache=vc, output=out, query_start_loc=i32([0, 1]),
+        seq_lens=i32([seq_len]), scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=block_table[None].to(torch.int32), softcap=0.0, scheduler_metadata=md,
+        s_aux=None)
+    return out[0]
+
+
+def paged_cache(ops, n, kvh, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-n // BS)
+    kv = torch.zeros(blocks + 2, kvh, BS, 2 * d, dtype=dtype)
+    block_table = torch.randperm(blocks + 2, generator=g)[:blocks].to(torch.int32)
+    keys = (2 * torch.randn(n, kvh, d, generator=g)).to(dtype)
+    values = torch.randn(n, kvh, d, generator=g).to(dtype)
+    logical = torch.arange(n)
+    write(ops, kv, keys, values, block_table[logical // BS].long() * BS + logical % BS)
+    return kv, block_table, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads, kv_heads, d", CONFIGS)
+@pytest.mark.parametrize("prefix, m", [(0, 5), (125, 6), (300, 4)])
+def test_chain_rows_equal_the_kernel_decode(dtype, heads, kv_heads, d, prefix, m):
+    """A chain-shaped mask is causal: row r must be the kernel's decode at length L + r + 1
+    (contexts cross the 128-token block boundary for prefix 125)."""
+    ops = _ops()
+    kv, block_table, _, _ = paged_cache(ops, prefix + m + 3, kv_heads, d, dtype, prefix + d)
+    q = (2 * torch.randn(m, heads, d, generator=torch.Generator().manual_seed(m))).to(dtype)
+    chain = torch.tril(torch.ones(m, m, dtype=torch.bool))
+    scale = d ** -0.5
+    out = tree_attention_rows(q, CpuVecLayout(kv), block_table, TreeRows(0, 0, prefix, chain),
+                              scale)
+    ref = torch.stack([decode(ops, q[r], kv, block_table, prefix + r + 1, scale)
+                       for r in range(m)])
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", CONFIGS)
+def test_tree_rows_equal_decoding_their_own_path(heads, kv_heads, d):
+    """Each node's row equals plain decoding of that node: a fresh cache holding only the prefix,
+    the node's ancestors and itself, contiguously, decoded by the kernel (bf16)."""
+    ops = _ops()
+    dtype, prefix = torch.bfloat16, 122
+    g = torch.Generator().manual_seed(d)
+    tree = TreeBatch(TreeShape(3, 3), torch.tensor([0]))
+    tree.grow(torch.randn(1, 11, generator=g).log_softmax(-1))
+    for _ in range(2):
+        tree.grow(torch.randn(1, 3, 11, generator=g).log_softmax(-1))
+    mask = tree.mask[0]
+    m = mask.shape[0]
+    kv, block_table, keys, values = paged_cache(ops, prefix + m, kv_heads, d, dtype, d)
+    # slots past the tree hold other data, as in a live cache
+    q = (2 * torch.randn(m, heads, d, generator=g)).to(dtype)
+    scale = d ** -0.5
+    out = tree_attention_rows(q, CpuVecLayout(kv), block_table, TreeRows(0, 0, prefix, mask),
+                              scale)
+    for r in range(m):
+        visible = list(range(prefix)) + [prefix + j for j in range(m) if mask[r, j]]
+        n = len(visible)
+        own = torch.zeros(-(-n // BS) + 1, kv_heads, BS, 2 * d, dtype=dtype)
+        table = torch.arange(own.shape[0] - 1, dtype=torch.int32).flip(0)
+        logical = torch.arange(n)
+        write(ops, own, keys[visible], values[visible],
+              table[logical // BS].long() * BS + logical % BS)
+        assert torch.equal(out[r], decode(ops, q[r], own, table, n, scale)), f"row {r}"
+
+
+# ---- the kernel's arithmetic, emulated in torch (vec ISA, x86 AVX-512 build) -----------------
+
+def fma32(a, b, c):
+    """fp32 fused multiply-add: the exact product in fp64, one fp64 sum made round-to-odd when it
+    is inexact and sits on an fp32 tie, then one rounding to fp32."""
+    p = a.double() * b.double()
+    c = c.double()
+    s = p + c
+    bits = s.view(torch.int64)
+    tie = (bits & 0x1FFFFFFF) == 0x10000000
+    if bool(tie.any()):
+        bb = s - p
+        err = (p - (s - bb)) + (c - bb)
+        step = torch.where((err > 0) == (s > 0), 1, -1)
+        s = torch.where(tie & (err != 0), bits + step, bits).view(torch.float64)
+    return s.float()
+
+
+def _f32(bits):
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def fast_exp(x):
+    """cpu_attn_macros.h DEFINE_FAST_EXP (AVX-512): range reduction plus a degree-5 polynomial."""
+    lo, hi = _f32(0xC2AEAC50), _f32(0x42B17218)
+    src = torch.maximum(torch.minimum(x, hi), lo)
+    fx = torch.floor(fma32(src, _f32(0x3FB8AA3B).expand_as(src), torch.full_like(src, 0.5)))
+    r = fma32(-fx, _f32(0x3F317218).expand_as(src), src)
+    res = torch.full_like(src, 0.00828929059)
+    for c in (0.0418978221, 0.166676521, 0.499991506, 0.999999701, 1.0):
+        res = fma32(r, res, torch.full_like(src, c))
+    two_n = (((fx - 1).to(torch.int32) + 127) << 23).view(torch.float32)
+    two_n = torch.where(x < lo, torch.zeros_like(two_n), two_n)
+    return res * two_n * 2.0
+
+
+def emulate_decode(q, k, v, scale):
+    """q [heads, d]; k, v [T, kv_heads, d]: one decode row as the vec kernel computes it."""
+    heads, d = q.shape
+    T, kvh, _ = k.shape
+    k = k.float().repeat_interleave(heads // kvh, 1)
+    v = v.float().repeat_interleave(heads // kvh, 1)
+    qs = q.float() * scale  # scale folded into q, rounded to fp32
+    logits = torch.zeros(heads, T)
+    for i in range(d):  # fp32 FMA chain over the head dim, per key
+        logits = fma32(qs[:, i:i + 1].expand(heads, T), k[:, :, i].t(), logits)
+    p = fast_exp(logits - logits.max(-1, keepdim=True).values)
+    padded = torch.zeros(heads, -(-T // 32) * 32)  # keys in groups of 32, masked ones give 0
+    padded[:, :T] = p
+    lanes = torch.zeros(heads, 16)
+    for j in range(padded.shape[1] // 16):  # 16 fp32 lanes, each summed in order
+        lanes = lanes + padded[:, 16 * j: 16 * j + 16]
+    for w in (8, 4, 2, 1):  # _mm512_reduce_add_ps
+        lanes = lanes[:, :w] + lanes[:, w:2 * w]
+    out = torch.zeros(heads, d)
+    for t in range(T):  # P·V: fp32 FMA chain over the keys, P kept in fp32
+        out = fma32(p[:, t:t + 1].expand(heads, d), v[t], out)
+    inv = (1.0 / lanes[:, 0].double()).float()
+    return (inv[:, None] * out).to(q.dtype)  # normalise once, round once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_len", [5, 130])
+def test_kernel_arithmetic_is_the_documented_one(dtype, seq_len):
+    ops = _ops()
+    if not torch.cpu._is_avx512_supported():
+        pytest.skip("the emulated exp is the AVX-512 build's")
+    heads, kv_heads, d = 4, 2, 64
+    kv, block_table, keys, values = paged_cache(ops, seq_len, kv_heads, d, dtype, seq_len)
+    q = (2 * torch.randn(heads, d, generator=torch.Generator().manual_seed(1))).to(dtype)
+    ref = decode(ops, q, kv, block_table, seq_len, 0.1)
+    assert torch.equal(emulate_decode(q, keys, values, 0.1), ref)
+    # the plain torch formula (still used off the CPU backend) is not bit-exact in fp32
+    if dtype == torch.float32:
+        chain = torch.ones(1, 1, dtype=torch.bool)
+        plain = _torch_rows(q[None], CpuVecLayout(kv), block_table,
+                            TreeRows(0, 0, seq_len - 1, chain), 0.1)[0]
+        assert not torch.equal(plain, ref)
