@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from vllm_subspec.tree import TreeBatch, TreeShape
-from vllm_subspec.tree_attention import CpuVecLayout, TreeRows, _torch_rows, tree_attention_rows
+from vllm_subspec.tree_attention import (
+    CpuVecLayout,
+    TreeRows,
+    _torch_rows,
+    tree_attention_rows,
+)
 
 
 def _ops():
@@ -47,10 +52,13 @@ def write(ops, kv, keys, values, slots):
                                    kv_cache_dtype="auto")
 
 
+def i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
 def decode(ops, q, kv, block_table, seq_len, scale):
     """vLLM's kernel for one decode row (q [heads, d]) at the end of a causal context."""
     nb, kvh, bs, d2 = kv.shape
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     md = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=1, num_heads=q.shape[0], num_kv_heads=kvh, head_dim=d2 // 2,
         seq_lens=i32([seq_len]), dtype=q.dtype, query_start_loc=i32([0, 1]), causal=True,
@@ -109,7 +117,6 @@ def test_tree_rows_equal_decoding_their_own_path(heads, kv_heads, d):
     mask = tree.mask[0]
     m = mask.shape[0]
     kv, block_table, keys, values = paged_cache(ops, prefix + m, kv_heads, d, dtype, d)
-    # slots past the tree hold other data, as in a live cache
     q = (2 * torch.randn(m, heads, d, generator=g)).to(dtype)
     scale = d ** -0.5
     out = tree_attention_rows(q, CpuVecLayout(kv), block_table, TreeRows(0, 0, prefix, mask),

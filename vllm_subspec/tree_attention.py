@@ -245,8 +245,7 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, block_table: tor
     k, v = layout.gather(logical_to_slots(table, L + j, bs))
     start = torch.cumsum(seen, 0) - seen
     pos = lead + torch.arange(r.numel()) - start[r]  # position inside the row's tail blocks
-    out_layout = CpuVecLayout(scratch)
-    out_layout.put((full + r * tail + pos // bs) * bs + pos % bs, k, v)
+    CpuVecLayout(scratch).put((full + r * tail + pos // bs) * bs + pos % bs, k, v)
 
     req_table = torch.empty(q_len, full + tail, dtype=torch.int32)
     req_table[:, :full] = torch.arange(full, dtype=torch.int32)
@@ -274,7 +273,7 @@ def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: Tr
     """The tree rows recomputed with torch in fp32 (FlashAttention, or a CPU cache whose dtype
     differs from the query's). Scores against the prefix and against the tree slots are two
     batched matmuls over all rows; masked tree slots get -inf, so they add exact zeros. Against
-    vLLM's CPU kernel this differs by up to 1 bf16 ulp (see docs/tree_attention.md)."""
+    vLLM's CPU kernel, ~0.05 % of bf16 outputs differ, mostly by 1 ulp (docs/tree_attention.md)."""
     q_len, m = rows.tree_mask.shape
     dev = query.device
     q = query[rows.q_start: rows.q_start + q_len].float()  # [q_len, heads, d]
