@@ -1,0 +1,102 @@
+"""How much of vllm_subspec's CUDA-only code the CPU test suite executes (coverage.py).
+
+Runs the suite's unit tests (no engine: `-m "not e2e"`; an engine on CPU never reaches CUDA-only
+code) under coverage, child processes included (the FlashAttention layout probe and the GemLite
+interpreter probe run in subprocesses), then reports, for each CUDA-only function or class, the
+statements executed. Writes benchmarks/results/cuda_coverage.{json,md}.
+
+    python scripts/cuda_coverage.py            # ~5 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+# module -> the functions/classes only a CUDA engine runs (and why a CPU engine does not)
+CUDA_ONLY = {
+    "tree_attention.py": ["FlashAttentionLayout", "_torch_rows"],
+    "engine_rules.py": ["_require_offload", "_no_async_scheduling", "_pin_flash_attention",
+                        "check_final_config", "tree_cudagraph_mode"],
+    "prefetch_overlap.py": ["_capturing", "_current_forward_context", "PrefetchOverlap"],
+    "substitute.py": ["GemliteKernel", "gemlite_warm_up_key", "gemlite_available"],
+    "draft_model.py": ["SubstituteSet.warm_up", "draft_row_counts"],
+    "layer_selection.py": ["offloaded_layer_indices", "_in_host_memory"],
+    # engine code with CUDA-only branches (prefetch overlap, warm-up, stream sync): the CPU
+    # unit tests do not start an engine, so these show what runs only inside one
+    "proposer.py": ["SubSpecProposer.load_model", "SubSpecProposer.propose"],
+}
+
+
+def definitions(path: Path) -> dict[str, ast.AST]:
+    """qualname -> def/class node (top level and one class level down)."""
+    out = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        if isinstance(node, ast.ClassDef):
+            for sub in node.body:
+                if isinstance(sub, ast.FunctionDef):
+                    out[f"{node.name}.{sub.name}"] = sub
+    return out
+
+
+def main() -> None:
+    import coverage
+
+    work = Path(tempfile.mkdtemp(prefix="subspec-cov-"))
+    rc = work / "coveragerc"
+    rc.write_text(f"[run]\nsource = vllm_subspec\nparallel = true\npatch = subprocess\n"
+                  f"data_file = {work / '.coverage'}\n")
+    start = time.time()
+    cmd = [sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q",
+           "-p", "no:cacheprovider", "-m", "not e2e and not qwen and not soak", "tests"]
+    proc = subprocess.run(cmd, cwd=REPO)
+    subprocess.run([sys.executable, "-m", "coverage", "combine", f"--rcfile={rc}"], cwd=REPO,
+                   check=True, capture_output=True)
+    cov = coverage.Coverage(config_file=str(rc), data_file=str(work / ".coverage"))
+    cov.load()
+    rows = []
+    for module, names in CUDA_ONLY.items():
+        path = REPO / "vllm_subspec" / module
+        _, statements, _, missing, _ = cov.analysis2(str(path))
+        defs = definitions(path)
+        for name in names:
+            node = defs[name]
+            body = set(range(node.lineno, node.end_lineno + 1))
+            stmts = sorted(body & set(statements))
+            missed = sorted(body & set(missing))
+            rows.append({"module": module, "name": name, "statements": len(stmts),
+                         "executed": len(stmts) - len(missed), "missed_lines": missed})
+    out = {"command": "python scripts/cuda_coverage.py", "pytest_exit": proc.returncode,
+           "seconds": round(time.time() - start), "rows": rows,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "cuda_coverage.json").write_text(json.dumps(out, indent=1))
+    total = sum(r["statements"] for r in rows)
+    done = sum(r["executed"] for r in rows)
+    lines = ["# CUDA-only code executed by the CPU suite (coverage.py)", "",
+             f"Command: `{out['command']}` (unit tests, `-m \"not e2e\"`, child processes "
+             f"included; pytest exit {proc.returncode}, {out['seconds']} s, {out['date']}).", "",
+             f"**{done}/{total} statements ({100 * done / max(total, 1):.0f}%)** of the "
+             "functions below ran on CPU.", "",
+             "| module | function / class | statements run | not run (lines) |", "|---|---|---|---|"]
+    for r in rows:
+        missed = ", ".join(map(str, r["missed_lines"])) or "-"
+        lines.append(f"| {r['module']} | `{r['name']}` | {r['executed']}/{r['statements']} "
+                     f"| {missed} |")
+    (RESULTS / "cuda_coverage.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    sys.exit(proc.returncode)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Source fingerprints of the vLLM functions vllm-subspec patches or relies on.
+
+A fingerprint is the sha256 of `ast.dump(node, include_attributes=False)` of the function's (or
+class's) definition, with every docstring inside it removed: comments, docstrings, formatting and
+line numbers do not count, any change to the code does. The .py files are parsed, never imported,
+so this works on CUDA-only modules and on an unpacked wheel. tests/test_vllm_fingerprints.py
+checks the installed vLLM against tests/data/vllm_fingerprints.json and 0.33.0 against 0.32.0.
+
+    python scripts/vllm_fingerprints.py                      # print, installed vLLM
+    python scripts/vllm_fingerprints.py --write 0.32.0       # record the installed vLLM
+    python scripts/vllm_fingerprints.py --root /tmp/vllm033/src/vllm --write 0.33.0
+
+--root is the `vllm` package directory (the one holding __init__.py), e.g. an unpacked wheel's
+(`pip download --no-deps vllm==X -d D && unzip D/vllm-X-*.whl -d D/src`: D/src/vllm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "vllm_fingerprints.json"
+
+# "module:qualname". The first block is patches.py's `_wrap` targets; the rest are the symbols in
+# docs/gpu.md's "vLLM 0.33.0 vs 0.32.0" table (in its row order), including the functions that
+# hold the code regions the table cites by line.
+NAMES: tuple[str, ...] = (
+    # patches.py: every _wrap(owner, attr) target
+    "vllm.engine.arg_utils:EngineArgs.create_speculative_config",  # 1
+    "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",  # 2
+    "vllm.model_executor.model_loader.base_loader:process_weights_after_loading",  # 3 (utils')
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",  # 4
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",  # 5
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",  # 5
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",  # 6 (CUDA)
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",  # 6 (CPU)
+    "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",  # 7
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",  # 8
+    # docs/gpu.md table
+    "vllm.engine.arg_utils:EngineArgs.create_engine_config",  # calls patch 1 before the configs
+    "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",  # calls patch 3
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.do_kv_cache_update",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
+    "vllm.v1.attention.backends.cpu_attn:_get_attn_isa",
+    "vllm.v1.kv_cache_interface:create_kv_cache_views",
+    "vllm.v1.kv_cache_interface:compute_layout_strides",
+    "vllm.v1.kv_cache_layout:KVCacheLayout",
+    "vllm.v1.worker.utils:allocate_kv_cache",
+    "vllm.v1.core.kv_cache_utils:get_kv_cache_config_from_groups",
+    "vllm.v1.kv_cache_interface:is_quantized_kv_cache",
+    "vllm.utils.torch_utils:is_quantized_kv_cache",
+    "vllm.model_executor.offloader.prefetch:PrefetchOffloader._start_prefetch",
+    "vllm.model_executor.offloader.prefetch:PrefetchOffloader._wait_for_layer",
+    "vllm.model_executor.offloader.prefetch:PrefetchOffloader.sync_prev_onload",
+    "vllm.model_executor.offloader.prefetch:PrefetchOffloader.join_after_forward",
+    "vllm.model_executor.offloader.prefetch:PrefetchOffloader.post_init",
+    "vllm.model_executor.offloader.prefetch:_ModuleOffloader.start_onload_to_static",
+    "vllm.compilation.cuda_graph:CUDAGraphWrapper.__call__",
+    "vllm.config.vllm:VllmConfig.__post_init__",  # async-scheduling default
+    "vllm.platforms.cpu:CpuPlatform.check_and_update_config",  # CPU forces async off
+    "vllm.platforms.cuda:_get_backend_priorities",
+    "vllm.config.attention:AttentionConfig.validate_backend_before",
+    "vllm.v1.attention.selector:AttentionSelectorConfig",
+    "vllm.utils.torch_utils:resolve_kv_cache_dtype_string",
+    "vllm.config.compilation:CompilationConfig.is_attention_compiled_piecewise",
+    "vllm.config.compilation:CompilationConfig.set_splitting_ops_for_attn_fusion",  # → FULL
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+    "vllm.v1.spec_decode.draft_model:DraftModelProposer",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.__init__",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model",
+    "vllm.v1.spec_decode.llm_base_proposer:"
+    "SpecDecodeBaseProposer.build_per_group_and_layer_attn_metadata",
+    "vllm.v1.spec_decode.llm_base_proposer:"
+    "SpecDecodeBaseProposer._update_positions_dependent_metadata",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._get_slot_mapping",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_attn_backend",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_cudagraph_keys",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.dummy_run",
+    "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
+)
+
+# Where a name went when vLLM moved it (looked up only when the listed module lacks it).
+MOVED: dict[str, tuple[str, ...]] = {
+    "vllm.v1.core.kv_cache_utils:get_kv_cache_config_from_groups": (
+        "vllm.v1.core.kv_cache_planning:get_kv_cache_config_from_groups",),  # 0.33.0
+}
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def installed_root() -> Path:
+    """The installed `vllm` package directory, found without importing vllm."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("vllm is not installed; pass --root")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _module_file(root: Path, module: str) -> Path | None:
+    parts = module.split(".")
+    if parts[0] != "vllm":
+        return None
+    base = root.joinpath(*parts[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _strip_docstrings(node: ast.AST) -> ast.AST:
+    node = copy.deepcopy(node)
+    for n in ast.walk(node):
+        if isinstance(n, (*_DEFS, ast.Module)) and n.body:
+            first = n.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                n.body = n.body[1:]
+    return node
+
+
+def _find_in(body: list[ast.stmt], name: str) -> ast.AST | None:
+    """The last definition of `name` directly in `body` (def, class or assignment)."""
+    found = None
+    for stmt in body:
+        if isinstance(stmt, _DEFS) and stmt.name == name:
+            found = stmt
+        elif isinstance(stmt, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == name for t in stmt.targets):
+            found = stmt
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) \
+                and stmt.target.id == name:
+            found = stmt
+    return found
+
+
+def _imported_from(tree: ast.Module, module: str, name: str) -> str | None:
+    """`pkg.mod:name` when `module` has a top-level `from pkg.mod import name`."""
+    for stmt in tree.body:
+        if isinstance(stmt, ast.ImportFrom):
+            for alias in stmt.names:
+                if (alias.asname or alias.name) == name:
+                    src = stmt.module
+                    if stmt.level:  # relative: from the module's package upwards
+                        pkg = module.split(".")[:-stmt.level]
+                        src = ".".join(pkg + ([stmt.module] if stmt.module else []))
+                    return f"{src}:{alias.name}"
+    return None
+
+
+def locate(root: Path, qualified: str, _depth: int = 0) -> tuple[Path, ast.AST] | None:
+    """(file, node) of `module:qualname`, following a re-export for a top-level name."""
+    module, qualname = qualified.split(":")
+    path = _module_file(root, module)
+    if path is None:
+        return None
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    head, *rest = qualname.split(".")
+    node = _find_in(tree.body, head)
+    if node is None:
+        source = _imported_from(tree, module, head)
+        if source is None or _depth > 4:
+            return None
+        return locate(root, ".".join([source, *rest]), _depth + 1)
+    for part in rest:
+        if not isinstance(node, ast.ClassDef):
+            return None
+        node = _find_in(node.body, part)
+        if node is None:
+            return None
+    return path, node
+
+
+def fingerprint(root: Path, qualified: str) -> dict | None:
+    """{"sha", "line", "file"} (file relative to root's parent), or None when absent."""
+    for candidate in (qualified, *MOVED.get(qualified, ())):
+        found = locate(root, candidate)
+        if found is not None:
+            path, node = found
+            dump = ast.dump(_strip_docstrings(node), include_attributes=False)
+            return {"sha": hashlib.sha256(dump.encode()).hexdigest(), "line": node.lineno,
+                    "file": path.relative_to(root.parent).as_posix()}
+    return None
+
+
+def fingerprints(root: Path, names=NAMES) -> dict[str, dict | None]:
+    return {name: fingerprint(root, name) for name in names}
+
+
+def normalise_version(version: str) -> str:
+    """'0.32.0+cpu' -> '0.32.0'."""
+    return version.split("+")[0]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--root", type=Path, help="vllm package directory (default: installed)")
+    p.add_argument("--write", metavar="VERSION",
+                   help=f"record under this vLLM version in {DATA.relative_to(DATA.parents[2])}")
+    args = p.parse_args(argv)
+    root = (args.root or installed_root()).resolve()
+    if not (root / "__init__.py").is_file():
+        p.error(f"{root} is not a package directory (no __init__.py); pass .../vllm")
+    prints = fingerprints(root)
+    missing = [n for n, fp in prints.items() if fp is None]
+    for name, fp in prints.items():
+        where = f"{fp['file']}:{fp['line']}  {fp['sha'][:12]}" if fp else "ABSENT"
+        print(f"{name}  {where}")
+    if missing:
+        print(f"{len(missing)} absent in {root}: {', '.join(missing)}", file=sys.stderr)
+    if args.write:
+        data = json.loads(DATA.read_text()) if DATA.exists() else {}
+        data[normalise_version(args.write)] = prints
+        DATA.parent.mkdir(parents=True, exist_ok=True)
+        DATA.write_text(json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {normalise_version(args.write)} to {DATA}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
