@@ -496,4 +496,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C: the servers are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(0 if main()["passed"] else 1)

@@ -1,24 +1,29 @@
 """`vllm serve` subprocesses on loopback, for the serving tests and the server soak.
 
 - `serving(model, {"plain": None, "subspec": {...}}, log_dir, ...)`: starts the servers in
-  parallel, waits until each answers /health, yields `Server`s and always stops them (the whole
-  process group: the API server and its engine-core child);
+  parallel, waits until each answers /health, yields `Server`s and always stops them (the API
+  server and every process under it: the engine core and its worker);
 - `Server`: the process, its base URL, its log, an `openai` client, /metrics;
 - `metric_total` reads a Prometheus sample from /metrics; `log_problems` finds tracebacks and
   ERROR lines in a server log.
 
-Servers bind 127.0.0.1 only. Settings default to the serving tests' own: float32 (greedy output
-does not depend on how concurrent requests happen to be batched), eager mode, seed 0.
+Servers bind 127.0.0.1 only. They stay in the caller's process group (a runner that kills the
+group kills them too) and get SIGTERM if the thread that started them dies (Linux
+PR_SET_PDEATHSIG), so a killed test run leaves no server behind. Settings default to the serving
+tests' own: float32 (greedy output does not depend on how concurrent requests happen to be
+batched), eager mode, seed 0.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import shutil
 import signal
 import socket
+import sys
 import subprocess
 import time
 import urllib.request
@@ -96,10 +101,17 @@ class Server:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_server(name: str, model: str, log: Path, spec: dict | None = None, *,
                  ports: Iterable[int] | None = None, env: dict | None = None, **settings) -> Server:
-    """Start `vllm serve` in its own session (process group), output to `log`. settings: the
-    keyword arguments of `serve_command` (max_model_len and kv_cache_bytes are required)."""
+    """Start `vllm serve`, output to `log`. settings: the keyword arguments of `serve_command`
+    (max_model_len and kv_cache_bytes are required). Call from a thread that outlives the
+    server (the main thread): the server gets SIGTERM when that thread exits."""
     port = free_port(ports)
     cmd = serve_command(model, port, spec, **settings)
     log = Path(log)
@@ -108,7 +120,7 @@ def start_server(name: str, model: str, log: Path, spec: dict | None = None, *,
         out.flush()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env=dict(os.environ if env is None else env),
-                                start_new_session=True)
+                                preexec_fn=_die_with_parent)
     return Server(name, proc, f"http://{HOST}:{port}", log)
 
 
@@ -126,20 +138,24 @@ def wait_healthy(server: Server, timeout: float = 600) -> None:
 
 
 def stop_server(server: Server, timeout: float = 30) -> None:
-    """SIGTERM to the server's process group, SIGKILL to it after `timeout` s."""
+    """SIGTERM to the API server (it shuts its engine core down), then SIGKILL to whatever of it
+    and its descendants (listed before the SIGTERM) is still alive after `timeout` s."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(server.proc.pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
     if server.proc.poll() is None:
+        server.proc.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=timeout)
+    for p in alive:
         try:
-            os.killpg(server.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
+            p.kill()
+        except psutil.NoSuchProcess:
             pass
-        try:
-            server.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # the engine core (same group) may outlive the API server: make sure it is gone
-        os.killpg(server.proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    psutil.wait_procs(alive, timeout=timeout)
     try:
         server.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
