@@ -1,9 +1,8 @@
 """Deep dynamic trees (k = 6) with tree verification: greedy output equals the plain engine's.
 
-fp32 engines: the tree rows' attention is recomputed in torch (ancestor-only mask), which rounds
-like the CPU kernel only to within 1 bf16 ulp, and bf16 logits tie often enough for that to flip
-a greedy argmax now and then. In fp32 the same engines are token-identical; chain mode, which
-needs no tree attention, is checked bit-exact in bf16 by test_e2e_greedy.py.
+Most checks run fp32 engines, where any difference at all is a bug. Tree rows run the CPU
+attention kernel's own decode arithmetic, so bf16 trees are plain decoding too; the bf16 test
+holds them to the project's standard (differences only at proven near-ties, > 2/3 identical).
 """
 
 import pytest
