@@ -261,6 +261,14 @@ def spec_counters(metrics: str) -> dict:
         "spec_decode_num_accepted_tokens", "generation_tokens", "prompt_tokens")}
 
 
+def counters(server, failures: list[str]) -> dict | None:
+    try:
+        return spec_counters(server.metrics())
+    except OSError as e:  # a dead server: reported, and the soak goes on to its report
+        failures.append(f"{server.name} server: /metrics unreadable ({e})")
+        return None
+
+
 def access_5xx(log_text: str) -> list[str]:
     return [line for line in log_text.splitlines() if re.search(r'HTTP/1\.[01]" 5\d\d', line)]
 
@@ -325,12 +333,12 @@ def soak(args) -> dict:
         kv_tokens = re.search(r"KV cache size: ([\d,]+) tokens", sub.log_text())
         report["kv_cache_tokens"] = int(kv_tokens.group(1).replace(",", "")) if kv_tokens \
             else None
-        before = spec_counters(sub.metrics())
+        before = counters(sub, failures)
         t = time.perf_counter()
         ours, in_time = asyncio.run(run_all(sub, model, jobs, args.concurrency, args.deadline,
                                             args.request_timeout))
         report["soak_seconds"] = time.perf_counter() - t
-        after = spec_counters(sub.metrics())
+        after = counters(sub, failures)
         if not in_time:
             failures.append(f"the SubSpec phase passed its {args.deadline:.0f} s deadline")
         t = time.perf_counter()
@@ -339,7 +347,7 @@ def soak(args) -> dict:
             plain, model, [j for j in jobs if j.greedy or j.id in seeded], args.concurrency,
             args.deadline, args.request_timeout))
         report["plain_seconds"] = time.perf_counter() - t
-        plain_counters = spec_counters(plain.metrics())
+        plain_counters = counters(plain, failures) or {"num_preemptions": None}
         if not in_time:
             failures.append(f"the plain phase passed its {args.deadline:.0f} s deadline")
         # the server still answers at the end, as the plain one does
@@ -389,11 +397,15 @@ def soak(args) -> dict:
                 len(o.texts) != j.params["n"] or not all(o.texts)):
             failures.append(f"sampled request {j.id}: {len(o.texts)} answers for n="
                             f"{j.params['n']} or an empty one")
-    delta = {k: after[k] - before[k] for k in after}
-    if delta["num_preemptions"] < args.min_preemptions:
+    delta = {k: after[k] - before[k] for k in after} if before and after else \
+        dict.fromkeys(("num_preemptions", "spec_decode_num_drafts", "generation_tokens",
+                       "prompt_tokens", "spec_decode_num_accepted_tokens"))
+    if delta["num_preemptions"] is None:
+        pass  # the server's /metrics failure is already reported
+    elif delta["num_preemptions"] < args.min_preemptions:
         failures.append(f"only {delta['num_preemptions']:.0f} preemptions (wanted at least "
                         f"{args.min_preemptions}): the KV cache is not small enough")
-    if delta["spec_decode_num_drafts"] <= 0:
+    if delta["spec_decode_num_drafts"] is not None and delta["spec_decode_num_drafts"] <= 0:
         failures.append("the SubSpec server drafted nothing")
 
     kinds = sorted({j.kind for j in jobs})
@@ -428,6 +440,10 @@ def soak(args) -> dict:
     return report
 
 
+def _n(x) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
 def markdown(r: dict) -> str:
     s = r["server_settings"]
     verdict = "**PASS**" if r["passed"] else "**FAIL**"
@@ -448,8 +464,8 @@ def markdown(r: dict) -> str:
         f"| served without error | {r['served']} (of which {r['aborted']} aborted by the client"
         f" mid-stream, on purpose) |",
         f"| errors | {r['errors']} |",
-        f"| preemptions (`vllm:num_preemptions`) | {r['preemptions']:.0f} (plain server: "
-        f"{r['preemptions_plain']:.0f}) |",
+        f"| preemptions (`vllm:num_preemptions`) | {_n(r['preemptions'])} (plain server: "
+        f"{_n(r['preemptions_plain'])}) |",
         f"| wall time, SubSpec phase | {r['soak_seconds']:.1f} s |",
         f"| wall time, plain phase ({r['served_plain']} requests: the greedy and the "
         f"repeated seeded ones) | "
@@ -460,8 +476,8 @@ def markdown(r: dict) -> str:
         f"| seeded requests sent twice, same samples | {r['seeded_repeats']} repeated, "
         f"{r['seeded_reproduced']} reproduced (plain server, same requests: "
         f"{r['seeded_reproduced_plain']}) |",
-        f"| tokens generated / prompt tokens | {r['generation_tokens']:.0f} / "
-        f"{r['prompt_tokens']:.0f} |",
+        f"| tokens generated / prompt tokens | {_n(r['generation_tokens'])} / "
+        f"{_n(r['prompt_tokens'])} |",
         f"| τ (tokens per verify step) | {r['tau']:.2f} |" if r["tau"] else "| τ | - |",
         f"| slowest request | {r['request_seconds_max']:.1f} s |",
         "",

@@ -4,10 +4,15 @@ import sys
 
 import pytest
 import torch
+from decoder_stub import decoder_stub
 from torch import nn
 
 from vllm_subspec.config import SubSpecOptions
-from vllm_subspec.draft_model import build_substitutes, draft_row_counts, substitute_layer
+from vllm_subspec.draft_model import (
+    build_substitutes,
+    draft_row_counts,
+    substitute_layer,
+)
 from vllm_subspec.substitute import (
     Int4CpuKernel,
     ReferenceKernel,
@@ -79,32 +84,8 @@ def test_substitute_linear_call_convention(weight):
     assert sub.bias.data_ptr() != bias.data_ptr()  # owns its bias
 
 
-class _Attn(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.qkv_proj = nn.Linear(h, 3 * h, bias=False, dtype=torch.bfloat16)
-        self.o_proj = nn.Linear(h, h, bias=False, dtype=torch.bfloat16)
-
-
-class _Mlp(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(h, 4 * h, bias=False, dtype=torch.bfloat16)
-        self.down_proj = nn.Linear(2 * h, h, bias=False, dtype=torch.bfloat16)
-
-
-class _Layer(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.self_attn, self.mlp = _Attn(h), _Mlp(h)
-        self.input_layernorm = nn.LayerNorm(h, dtype=torch.bfloat16)
-
-
 def _model(num_layers=3, h=256):
-    model = nn.Module()
-    model.model = nn.Module()
-    model.model.layers = nn.ModuleList([_Layer(h) for _ in range(num_layers)])
-    return model
+    return decoder_stub(num_layers, h)
 
 
 def test_substitute_memory_is_28_percent_of_bf16():

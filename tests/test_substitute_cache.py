@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from torch import nn
+from decoder_stub import decoder_stub
 
 import vllm_subspec.substitute as substitute_mod
 from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
@@ -26,32 +26,8 @@ CPU = torch.device("cpu")
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-class _Attn(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.qkv_proj = nn.Linear(h, 3 * h, bias=True, dtype=torch.bfloat16)
-        self.o_proj = nn.Linear(h, h, bias=False, dtype=torch.bfloat16)
-
-
-class _Mlp(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(h, 4 * h, bias=False, dtype=torch.bfloat16)
-        self.down_proj = nn.Linear(2 * h, h, bias=False, dtype=torch.bfloat16)
-
-
-class _Layer(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.self_attn, self.mlp = _Attn(h), _Mlp(h)
-
-
 def _model(num_layers=2, h=128, seed=0):
-    torch.manual_seed(seed)
-    model = nn.Module()
-    model.model = nn.Module()
-    model.model.layers = nn.ModuleList([_Layer(h) for _ in range(num_layers)])
-    return model
+    return decoder_stub(num_layers, h, qkv_bias=True, seed=seed)
 
 
 @pytest.fixture
