@@ -14,8 +14,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_full_precision_draft_is_always_accepted(smollm2):
-    # substitute_layers="offloaded" with nothing offloaded (CPU): zero substitutes.
-    llm = make_llm(smollm2, {"method": "subspec", "num_speculative_tokens": 5})
+    # an explicit empty layer list: zero substitutes (the CPU default would substitute all)
+    llm = make_llm(smollm2, {"method": "subspec", "num_speculative_tokens": 5,
+                             "substitute_layers": []})
     try:
         prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
                    "List three colors:", "1, 2, 3, 4,", "The weather today"]

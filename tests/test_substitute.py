@@ -185,3 +185,25 @@ def test_substitutes_are_found_through_get_model_under_cuda_graphs():
     readers = [f for f in files if f != "tests/test_substitute.py"
                and re.search(r"model_runner\.model\b(?!_)", code(f))]
     assert readers == []
+
+
+def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(caplog):
+    """`{"method": "subspec"}` on vLLM's CPU backend (nothing offloaded): the draft is the 4-bit
+    model, not the full-precision target; an explicit substitute_layers still wins."""
+    from types import SimpleNamespace
+
+    from vllm.config.offload import OffloadConfig
+
+    from vllm_subspec.draft_model import SubstituteSet, attach_substitutes
+
+    cfg = SimpleNamespace(offload_config=OffloadConfig())
+    model = _model(num_layers=3, h=128)
+    with caplog.at_level("INFO", logger="vllm.vllm_subspec.draft_model"):
+        attach_substitutes(model, SubSpecOptions(quantizer="rtn"), cfg, CPU)
+    assert sorted(SubstituteSet.of(model).layers) == [0, 1, 2]
+    assert "every decoder layer gets a substitute" in caplog.text
+    for layers, expected in (((), []), ((1,), [1])):
+        model = _model(num_layers=3, h=128)
+        attach_substitutes(model, SubSpecOptions(quantizer="rtn", substitute_layers=layers),
+                           cfg, CPU)
+        assert sorted(SubstituteSet.of(model).layers) == expected

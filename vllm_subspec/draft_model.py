@@ -106,6 +106,12 @@ def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
     offloaded = offloaded_layer_indices(layers, vllm_config.offload_config, device,
                                         get_offloader())
     chosen = options.resolve_layers(len(layers), offloaded)
+    if options.substitute_layers == "offloaded" and not offloaded and device.type == "cpu":
+        # vLLM's CPU backend with nothing offloaded: the full-precision target as its own draft
+        # would only add cost, so the default draft there is the model with every layer 4-bit
+        chosen = list(range(len(layers)))
+        logger.info("vllm-subspec: nothing is offloaded on the CPU backend, so every decoder "
+                    "layer gets a substitute (set substitute_layers to choose)")
     streamed = sorted(set(offloaded) - set(chosen))
     if streamed and getattr(get_offloader(), "module_offloaders", None):
         # the draft would run their prefetch hooks: read whatever the ring put in their slot
@@ -115,8 +121,8 @@ def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
             f"from CPU memory; missing {streamed} (use 'offloaded' or 'all')")
     if not chosen:
         logger.warning(
-            "vllm-subspec: substitute_layers=%r selected no layer (no weights are offloaded); "
-            "the draft is the full-precision target", options.substitute_layers)
+            "vllm-subspec: substitute_layers=%r selected no layer; the draft is the "
+            "full-precision target", options.substitute_layers)
     subs = build_substitutes(model, chosen, options, device)
     subs.attach_to(model)  # the layout is logged once the KV cache is sized (the proposer)
 
