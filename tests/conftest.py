@@ -45,3 +45,18 @@ def tiny_llama():
     from subspec_testing.assets import tiny_model_path
 
     return tiny_model_path()
+
+
+@pytest.fixture
+def vllm_caplog(caplog):
+    """caplog for the plugin's loggers (`vllm.vllm_subspec.*`). Once an engine has configured
+    vLLM's logging, the "vllm" logger stops propagating to the root, where caplog listens, so
+    the handler is attached to it directly."""
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        vllm_logger.removeHandler(caplog.handler)

@@ -187,7 +187,7 @@ def test_substitutes_are_found_through_get_model_under_cuda_graphs():
     assert readers == []
 
 
-def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(caplog):
+def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(vllm_caplog):
     """`{"method": "subspec"}` on vLLM's CPU backend (nothing offloaded): the draft is the 4-bit
     model, not the full-precision target; an explicit substitute_layers still wins."""
     from types import SimpleNamespace
@@ -198,10 +198,10 @@ def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(caplog):
 
     cfg = SimpleNamespace(offload_config=OffloadConfig())
     model = _model(num_layers=3, h=128)
-    with caplog.at_level("INFO", logger="vllm.vllm_subspec.draft_model"):
+    with vllm_caplog.at_level("INFO", logger="vllm.vllm_subspec.draft_model"):
         attach_substitutes(model, SubSpecOptions(quantizer="rtn"), cfg, CPU)
     assert sorted(SubstituteSet.of(model).layers) == [0, 1, 2]
-    assert "every decoder layer gets a substitute" in caplog.text
+    assert "every decoder layer gets a substitute" in vllm_caplog.text
     for layers, expected in (((), []), ((1,), [1])):
         model = _model(num_layers=3, h=128)
         attach_substitutes(model, SubSpecOptions(quantizer="rtn", substitute_layers=layers),

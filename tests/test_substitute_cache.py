@@ -130,7 +130,7 @@ def _empty(path):
 
 
 @pytest.mark.parametrize("damage", [_corrupt_truncate, _corrupt_header, _wrong_key, _empty])
-def test_bad_entry_is_rebuilt(model_dir, tmp_path, monkeypatch, damage, caplog):
+def test_bad_entry_is_rebuilt(model_dir, tmp_path, monkeypatch, damage, vllm_caplog):
     model = _model()
     cache, options = _cache(model_dir, tmp_path / "cache")
     cold = _build(model, options, cache)
@@ -140,11 +140,11 @@ def test_bad_entry_is_rebuilt(model_dir, tmp_path, monkeypatch, damage, caplog):
 
     counter = _CountingQuantize(monkeypatch)
     cache2, _ = _cache(model_dir, tmp_path / "cache")
-    with caplog.at_level("WARNING", logger="vllm.vllm_subspec.substitute_cache"):
+    with vllm_caplog.at_level("WARNING", logger="vllm.vllm_subspec.substitute_cache"):
         again = _build(model, options, cache2)
     assert counter.calls == [(128, 256)]  # only layer 1's down_proj was quantized again
     assert cache2.rebuilt == 1 and cache2.hits == 7
-    assert "unusable" in caplog.text and victim[0].name in caplog.text
+    assert "unusable" in vllm_caplog.text and victim[0].name in vllm_caplog.text
     _assert_same(_qws(again), _qws(cold))
 
     counter.calls.clear()  # the rebuilt entry was written back and now loads
