@@ -10,12 +10,13 @@ sends the SubSpec server a fixed, seeded mix of requests, at most `--concurrency
 - seeded sampled chat (n=1 and n>1), a subset of them sent twice;
 - client aborts: streams closed after 0-5 chunks.
 
-Then every greedy request goes to the plain server (same concurrency), with the repeated seeded
-ones as a control (reported, not asserted), and one last greedy request to both. It passes when: no request failed other than the intentional aborts; no HTTP
-5xx in either access log; no traceback / ERROR line in either server log; both servers are alive
-and healthy at the end and answer the last request alike; every greedy answer (text, finish
-reason, token count; logprob tokens, values within 2e-3) is the plain server's; each repeated
-seeded request got the same samples twice; the SubSpec server preempted at least
+Then every greedy and every seeded sampled request goes to the plain server (same
+concurrency), and one last greedy request to both. It passes when: no request failed other than
+the intentional aborts; no HTTP 5xx in either access log; no traceback / ERROR line in either
+server log; both servers are alive and healthy at the end and answer the last request alike;
+every greedy answer (text, finish reason, token count; logprob tokens, values within 2e-3) is
+the plain server's; every seeded sampled answer is the plain server's (trees draw with plain's
+noise, verify.SeededDraws) and each repeated one got the same samples twice; the SubSpec server preempted at least
 `--min-preemptions` times (`vllm:num_preemptions_total` on /metrics). Every phase has a request
 count and a deadline; the servers are stopped (process group) whatever happens.
 
@@ -309,7 +310,6 @@ def soak(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model)
     jobs = build_jobs(args.requests, args.seed, tokenizer, args.max_model_len)
     greedy = [j for j in jobs if j.greedy]
-    seeded = {i for j in jobs if j.twin_of is not None for i in (j.id, j.twin_of)}
     spec = {"method": "subspec", "tree_width": args.tree_width, "tree_depth": args.tree_depth,
             "substitute_layers": "all"}
     settings = dict(max_model_len=args.max_model_len, dtype="float32",
@@ -342,9 +342,10 @@ def soak(args) -> dict:
         if not in_time:
             failures.append(f"the SubSpec phase passed its {args.deadline:.0f} s deadline")
         t = time.perf_counter()
-        # the greedy requests, and the repeated seeded ones as a control (interleaved as sent)
+        # the greedy and the seeded sampled requests (interleaved as sent)
         theirs, in_time = asyncio.run(run_all(
-            plain, model, [j for j in jobs if j.greedy or j.id in seeded], args.concurrency,
+            plain, model, [j for j in jobs if j.greedy or j.kind.startswith("sampled")],
+            args.concurrency,
             args.deadline, args.request_timeout))
         report["plain_seconds"] = time.perf_counter() - t
         plain_counters = counters(plain, failures) or {"num_preemptions": None}
@@ -391,6 +392,13 @@ def soak(args) -> dict:
         failures.append(f"seeded request {j.twin_of} and its repeat {jid} ({j.kind}, seed "
                         f"{j.params['seed']}) differ: {ours[j.twin_of].texts!r} vs "
                         f"{ours[jid].texts!r}"[:1500])
+    sampled = [j for j in jobs if j.kind.startswith("sampled")]
+    seeded_differ = [j.id for j in sampled if not ours[j.id].error
+                     and ours[j.id].texts != theirs[j.id].texts]
+    for jid in seeded_differ:
+        failures.append(f"seeded request {jid} ({by_id[jid].kind}, seed "
+                        f"{by_id[jid].params['seed']}) differs from plain: {ours[jid].texts!r} "
+                        f"vs {theirs[jid].texts!r}"[:1500])
     for j in jobs:  # sampled answers are non-empty, with n of them
         o = ours[j.id]
         if j.kind.startswith("sampled") and not o.error and (
@@ -423,6 +431,9 @@ def soak(args) -> dict:
         "seeded_repeats": len(twins), "seeded_reproduced": len(twins) - len(irreproducible)
         - sum(1 for j in twins if ours[j.id].error or ours[j.twin_of].error),
         "seeded_reproduced_plain": len(twins) - len(plain_irreproducible),
+        "seeded_compared": len(sampled),
+        "seeded_identical": len(sampled) - len(seeded_differ)
+        - sum(1 for j in sampled if ours[j.id].error),
         "preemptions": delta["num_preemptions"],
         "preemptions_plain": plain_counters["num_preemptions"],
         "generation_tokens": delta["generation_tokens"],
@@ -468,11 +479,13 @@ def markdown(r: dict) -> str:
         f"{_n(r['preemptions_plain'])}) |",
         f"| wall time, SubSpec phase | {r['soak_seconds']:.1f} s |",
         f"| wall time, plain phase ({r['served_plain']} requests: the greedy and the "
-        f"repeated seeded ones) | "
+        f"seeded sampled ones) | "
         f"{r['plain_seconds']:.1f} s |",
         f"| wall time, all (both starts included) | {r['total_seconds']:.1f} s |",
         f"| greedy answers identical to plain | {r['greedy_compared']} compared, "
         f"{r['greedy_identical']} identical |",
+        f"| seeded sampled answers identical to plain | {r['seeded_compared']} compared, "
+        f"{r['seeded_identical']} identical |",
         f"| seeded requests sent twice, same samples | {r['seeded_repeats']} repeated, "
         f"{r['seeded_reproduced']} reproduced (plain server, same requests: "
         f"{r['seeded_reproduced_plain']}) |",

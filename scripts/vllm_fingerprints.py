@@ -86,7 +86,12 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_attn_backend",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_cudagraph_keys",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.dummy_run",
-    "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
+    # verify.draw_target_tokens draws as vLLM's Sampler does, through its TopKTopPSampler
+    "vllm.v1.sample.sampler:Sampler.sample",
+    "vllm.v1.sample.sampler:Sampler.apply_temperature",
+    "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_cpu",
+    "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_native",
+    "vllm.v1.sample.ops.topk_topp_sampler:random_sample",
 )
 
 # Where a name went when vLLM moved it (looked up only when the listed module lacks it).

@@ -27,3 +27,4 @@ def test_server_soak_with_preemption():
     assert report["preemptions"] > 0
     assert report["greedy_identical"] == report["greedy_compared"] > 0
     assert report["seeded_reproduced"] == report["seeded_repeats"] > 0
+    assert report["seeded_identical"] == report["seeded_compared"] > 0

@@ -271,3 +271,54 @@ def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
     step.prepare_verify(sched)
     assert not step.verifying["a"].compact and step.plan is None
     assert runner.positions[:5].tolist() == [40, 41, 42, 43, 44]
+
+
+@pytest.mark.parametrize("branch, accepted", [
+    ("left", 3),    # the draws follow node 1 -> node 3 (a leaf): 3 tokens emitted
+    ("right", 2),   # the draws follow node 2, which has no child: 2 tokens emitted
+    ("none", 1),    # no child of the root carries the first draw: 1 token emitted
+])
+def test_seeded_draws_are_plain_decodings_draws(branch, accepted):
+    # Every node at depth d has the same target distribution, so plain decoding's d-th seeded
+    # draw from vLLM's own Sampler is the token the tree must emit at depth d, whichever branch
+    # the draft took; afterwards the generator must be where plain's is after as many draws.
+    torch.manual_seed(7)
+    depth_logits = torch.randn(4, V) * 2
+    meta = lambda gen: sampling(1, greedy=False, temperature=0.9, generators={0: gen})  # noqa
+    for seed in range(6):
+        plain_gen = torch.Generator().manual_seed(seed)
+        plain = [Sampler().sample(depth_logits[d: d + 1].clone(), meta(plain_gen))[0].item()
+                 for d in range(4)]
+        other = [(t + 1) % V for t in plain]  # tokens the walk must not follow
+        tokens = {"left": [0, plain[0], other[0], plain[1], other[1]],
+                  "right": [0, other[0], plain[0], other[1], other[1]],
+                  "none": [0, other[0], other[0], other[1], other[1]]}[branch]
+        depths = [0, 1, 1, 2, 2]
+        logits = depth_logits[depths]
+        gen = torch.Generator().manual_seed(seed)
+        step = step_with({"a": VerifiedTree(tree(tokens=tokens), 40, 0, compact=False)})
+        out = verify(step, [4], logits, meta(gen)).sampled_token_ids[0]
+        assert out[:accepted].tolist() == plain[:accepted]
+        assert (out[accepted:] == PLACEHOLDER).all()
+        # the generator advanced by one plain draw per emitted token: the next draw is plain's
+        follow = Sampler().sample(depth_logits[accepted: accepted + 1].clone(), meta(gen))[0]
+        assert follow.item() == plain[accepted]
+
+
+def test_seeded_draws_do_not_depend_on_the_batch_or_the_tree_size():
+    # The same seeded request, alone with a 2-node chain and next to another request with the
+    # full tree: the tokens it emits are the same (its generator's draws are per depth).
+    torch.manual_seed(3)
+    rows = torch.randn(5, V)
+    chain = VerifiedTree(chain_tree([1]), 40, 0, compact=False)
+
+    def emitted(batch_trees, num_draft, logits, gens):
+        step = step_with(batch_trees)
+        return verify(step, num_draft, logits, sampling(
+            len(num_draft), greedy=False, generators=gens)).sampled_token_ids
+
+    solo = emitted({"a": chain}, [1], rows[:2], {0: torch.Generator().manual_seed(11)})
+    pair = emitted({"b": VerifiedTree(tree(), 40, 0, compact=False), "a": chain}, [4, 1],
+                   torch.cat([torch.randn(5, V), rows[:2]]),
+                   {0: torch.Generator().manual_seed(5), 1: torch.Generator().manual_seed(11)})
+    assert pair[1, :2].tolist() == solo[0, :2].tolist()

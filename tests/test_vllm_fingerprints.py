@@ -79,8 +79,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model":
         "the base load_model differs (marks the drafter's own attention layers is_draft_layer); "
         "SubSpec overrides load_model and drafts through the target's layers",
-    "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p":
-        "new optional has_topp_only_rows=True; SubSpec's call keeps the safe default",
 }
 
 

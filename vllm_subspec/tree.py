@@ -128,6 +128,13 @@ class StoredTree:
     parents: list[int]
     mask: torch.Tensor  # [n, n] ancestor-or-self
 
+    def depths(self) -> list[int]:
+        """Each node's depth (root 0); parents precede their children."""
+        out = []
+        for p in self.parents:
+            out.append(0 if p < 0 else out[p] + 1)
+        return out
+
     def path_tokens(self, node: int) -> list[int]:
         """Tokens from the root (exclusive) down to `node` (inclusive): what a request would
         have generated after its last verified token if the walk reached `node`."""

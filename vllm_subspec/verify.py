@@ -16,7 +16,9 @@ root and moves to the child whose token equals the draw at the current node, whi
 The draws along the path are emitted, the last one being the bonus token. Drawing at all nodes up
 front is the same in distribution as drawing lazily along the walk (each node is visited at most
 once), and every emitted token is a draw from the target at its exact context: the output is
-plain ancestral sampling from the target whatever the draft proposed.
+plain ancestral sampling from the target whatever the draft proposed. A seeded request's draw at
+depth j uses the noise of plain decoding's j-th draw from its generator (`SeededDraws`), so its
+output is reproducible and equals a plain engine's seeded output up to numerical near-ties.
 
 KV compaction right after the walk: the accepted nodes' KV (slots L + a_j) moves to L + j, j =
 1..m, while the root L is known, every step, whether or not vLLM calls the drafter next (near
@@ -38,7 +40,6 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.ops.penalties import apply_all_penalties
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_subspec.tree import StoredTree, TreeBatch, TreeShape, accepted_path
 from vllm_subspec.tree_attention import TreeMask, TreePlan, TreeRows, move_kv
@@ -123,7 +124,11 @@ class TreeStep:
         rows = torch.tensor([n + 1 for n in num_draft])
         raw_logits = logits
         logits = constrain(logits, rows, trees, num_draft, sampling_metadata)
-        draws = draw_target_tokens(logits, rows, sampling_metadata).tolist()
+        depths = None if sampling_metadata.all_greedy else torch.tensor(sum(
+            (v.tree.depths()[: n + 1] if v else [0] for v, n in zip(trees, num_draft)), []))
+        draws, seeded = draw_target_tokens(logits, rows, depths, sampling_metadata,
+                                           self.runner.sampler.topk_topp_sampler)
+        draws = draws.tolist()
 
         width = max(num_draft) + 1
         out = torch.full((len(num_draft), width), PLACEHOLDER, dtype=torch.int32)
@@ -138,6 +143,8 @@ class TreeStep:
             nodes = [0] + path  # emitted token j is the target's draw at nodes[j]
             out[i, : len(nodes)] = torch.tensor([target[a] for a in nodes], dtype=torch.int32)
             drawn_at[i, : len(nodes)] = start + torch.tensor(nodes)
+            if i in seeded:  # the generator has made one draw per emitted token, as plain's
+                seeded[i].commit(len(nodes))
             start += n + 1
             if v is not None and v.compact and path != list(range(1, len(path) + 1)):
                 moves.append((v.req_index, v.root, path))
@@ -203,26 +210,64 @@ def constrain(logits: torch.Tensor, rows: torch.Tensor, trees: list[VerifiedTree
     return logits
 
 
+class SeededDraws:
+    """A seeded request's generator over one verify step. The draw at a depth-j node is plain
+    decoding's j-th sampling draw from this step on: the generator state after j of plain's draws
+    is recorded for j = 0..max depth + 1 (each draw made by vLLM's own sampler on a dummy row, so
+    it consumes the generator exactly as a plain step does on this platform: one `randint` on
+    CPU, `topk_topp_sampler.py` 0.32.0 :343-348; one vocabulary row of `exponential_` in
+    `random_sample` :575-576 elsewhere). Once the walk has emitted e tokens, the generator is set
+    to the state after e draws. So the emitted tokens use exactly the noise a plain engine would,
+    whatever the tree's shape: seeded output is reproducible, and equal to plain seeded output up
+    to numerical near-ties of the logits. All nodes at one depth share a draw; that keeps it
+    exact in distribution, because the walk visits at most one node per depth."""
+
+    def __init__(self, generator: torch.Generator, num_draws: int, topk_topp_sampler,
+                 vocab_size: int, device: torch.device):
+        self.generator = generator
+        self.states = [generator.get_state()]
+        dummy = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+        for _ in range(num_draws):
+            topk_topp_sampler(dummy.clone(), {0: generator}, None, None)
+            self.states.append(generator.get_state())
+
+    def at_depth(self, depth: int) -> torch.Generator:
+        """A generator in the state of plain's draw for a node at `depth`."""
+        g = torch.Generator(device=self.generator.device)
+        g.set_state(self.states[depth])
+        return g
+
+    def commit(self, num_emitted: int) -> None:
+        self.generator.set_state(self.states[num_emitted])
+
+
 def draw_target_tokens(logits: torch.Tensor, rows_per_request: torch.Tensor,
-                       sampling_metadata) -> torch.Tensor:
-    """One target token per logits row: argmax for greedy requests, else a seeded draw from
-    the request's temperature/top-k/top-p distribution. rows_per_request: [num_reqs]."""
+                       row_depths: torch.Tensor | None, sampling_metadata,
+                       topk_topp_sampler) -> tuple[torch.Tensor, dict[int, SeededDraws]]:
+    """One target token per logits row, as vLLM's Sampler.sample draws it (sampler.py 0.32.0
+    :247-305): argmax for greedy requests; else temperature, then vLLM's own TopKTopPSampler
+    (top-k/top-p and the platform's draw). Seeded requests draw per depth (`SeededDraws`),
+    which is returned per request index so the walk can commit the draws it used.
+
+    logits: [rows, V]; rows_per_request: [num_reqs]; row_depths: [rows], each node's depth
+    (None when every request is greedy)."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     if sampling_metadata.all_greedy:
-        return greedy
-    expand = lambda t: None if t is None else t.repeat_interleave(  # noqa: E731
-        rows_per_request.to(t.device), dim=0)
+        return greedy, {}
+    row_request = torch.repeat_interleave(torch.arange(len(rows_per_request)), rows_per_request)
+    expand = lambda t: None if t is None else t[row_request.to(t.device)]  # noqa: E731
     temperature = expand(sampling_metadata.temperature)
     is_greedy = temperature < _SAMPLING_EPS
     scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1)
-    warped = apply_top_k_top_p(scaled, expand(sampling_metadata.top_k),
-                               expand(sampling_metadata.top_p))
-    probs = warped.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_()  # Gumbel-max via exponential races
-    offsets = torch.cumsum(rows_per_request, 0) - rows_per_request
-    for req_index, gen in sampling_metadata.generators.items():
-        a, n = int(offsets[req_index]), int(rows_per_request[req_index])
-        noise[a: a + n].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(is_greedy, greedy, sampled)
+    offsets = (torch.cumsum(rows_per_request, 0) - rows_per_request).tolist()
+    seeded, row_generators = {}, {}
+    for r, gen in sampling_metadata.generators.items():
+        a, n = offsets[r], int(rows_per_request[r])
+        depths = row_depths[a: a + n].tolist()
+        seeded[r] = SeededDraws(gen, max(depths) + 1, topk_topp_sampler, logits.shape[-1],
+                                logits.device)
+        row_generators.update({a + j: seeded[r].at_depth(d) for j, d in enumerate(depths)})
+    sampled, _ = topk_topp_sampler(scaled, row_generators, expand(sampling_metadata.top_k),
+                                   expand(sampling_metadata.top_p))
+    return torch.where(is_greedy, greedy, sampled), seeded
