@@ -47,3 +47,14 @@ def test_flash_attention_cache_reader(probes, layout):
 def test_every_layout_has_distinct_physical_strides(probes):
     # the probe really exercised different physical orders, not one layout six times
     assert len({tuple(r["stride"]) for r in probes.values()}) == len(KVCacheLayout)
+
+
+def test_a_cache_of_another_shape_is_refused_clearly():
+    # The pre-fix assumption ([2, blocks, block_size, heads, dim]) must fail with a message that
+    # names the expected layout, not with an unpacking error deep in a forward.
+    import torch
+
+    from vllm_subspec.tree_attention import FlashAttentionLayout
+
+    with pytest.raises(RuntimeError, match=r"expected \[blocks, kv_heads, block_size, 256\]"):
+        FlashAttentionLayout(torch.zeros(2, 12, 16, 2, 128), head_size=128)

@@ -41,11 +41,12 @@ def test_tree_engine_config_on_cuda(monkeypatch, tiny_llama):
 
 
 def test_chain_keeps_vllm_cuda_defaults(monkeypatch, tiny_llama):
-    cfg, _ = cuda_config(monkeypatch, tiny_llama, CHAIN, **OFFLOAD)
+    cfg, fake = cuda_config(monkeypatch, tiny_llama, CHAIN, **OFFLOAD)
     # chains read only device-side counts (num_rejected_tokens_gpu): async scheduling is fine
     assert cfg.scheduler_config.async_scheduling is True
     assert cfg.attention_config.backend is None
     assert cfg.compilation_config.cudagraph_mode.has_full_cudagraphs()
+    check_final_config(cfg, options_from_vllm_config(cfg), fake)  # FULL graphs: fine for chains
 
 
 def test_requested_full_graphs_become_piecewise(monkeypatch, tiny_llama):

@@ -207,3 +207,16 @@ def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(vllm_capl
         attach_substitutes(model, SubSpecOptions(quantizer="rtn", substitute_layers=layers),
                            cfg, CPU)
         assert sorted(SubstituteSet.of(model).layers) == expected
+
+
+def test_gemlite_is_used_only_when_cuda_and_an_importable_gemlite_are_there(monkeypatch):
+    import types
+
+    from vllm_subspec.substitute import gemlite_available
+
+    assert not gemlite_available()  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "gemlite", None)  # `import gemlite` raises ImportError
+    assert not gemlite_available()
+    monkeypatch.setitem(sys.modules, "gemlite", types.ModuleType("gemlite"))
+    assert gemlite_available()
