@@ -124,9 +124,10 @@ class TreeStep:
         rows = torch.tensor([n + 1 for n in num_draft])
         raw_logits = logits
         logits = constrain(logits, rows, trees, num_draft, sampling_metadata)
-        depths = None if sampling_metadata.all_greedy else torch.tensor(sum(
-            (v.tree.depths()[: n + 1] if v else [0] for v, n in zip(trees, num_draft)), []))
-        draws, seeded = draw_target_tokens(logits, rows, depths, sampling_metadata,
+        # node depths, needed only where a generator's draws are replayed per depth
+        seeded_depths = {r: trees[r].tree.depths()[: num_draft[r] + 1] if trees[r] else [0]
+                         for r in sampling_metadata.generators}
+        draws, seeded = draw_target_tokens(logits, rows, seeded_depths, sampling_metadata,
                                            self.runner.sampler.topk_topp_sampler)
         draws = draws.tolist()
 
@@ -242,15 +243,15 @@ class SeededDraws:
 
 
 def draw_target_tokens(logits: torch.Tensor, rows_per_request: torch.Tensor,
-                       row_depths: torch.Tensor | None, sampling_metadata,
+                       seeded_depths: dict[int, list[int]], sampling_metadata,
                        topk_topp_sampler) -> tuple[torch.Tensor, dict[int, SeededDraws]]:
     """One target token per logits row, as vLLM's Sampler.sample draws it (sampler.py 0.32.0
     :247-305): argmax for greedy requests; else temperature, then vLLM's own TopKTopPSampler
     (top-k/top-p and the platform's draw). Seeded requests draw per depth (`SeededDraws`),
     which is returned per request index so the walk can commit the draws it used.
 
-    logits: [rows, V]; rows_per_request: [num_reqs]; row_depths: [rows], each node's depth
-    (None when every request is greedy)."""
+    logits: [rows, V]; rows_per_request: [num_reqs]; seeded_depths: for each seeded request
+    (batch index), the depth of each of its rows."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     if sampling_metadata.all_greedy:
@@ -263,8 +264,7 @@ def draw_target_tokens(logits: torch.Tensor, rows_per_request: torch.Tensor,
     offsets = (torch.cumsum(rows_per_request, 0) - rows_per_request).tolist()
     seeded, row_generators = {}, {}
     for r, gen in sampling_metadata.generators.items():
-        a, n = offsets[r], int(rows_per_request[r])
-        depths = row_depths[a: a + n].tolist()
+        a, depths = offsets[r], seeded_depths[r]
         seeded[r] = SeededDraws(gen, max(depths) + 1, topk_topp_sampler, logits.shape[-1],
                                 logits.device)
         row_generators.update({a + j: seeded[r].at_depth(d) for j, d in enumerate(depths)})
