@@ -273,12 +273,23 @@ def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
     assert runner.positions[:5].tolist() == [40, 41, 42, 43, 44]
 
 
+def sampler_on(path: str) -> Sampler:
+    """vLLM's Sampler drawing as on the CPU backend (`forward_cpu`: one randint per step from
+    a seeded generator) or as on CUDA with per-request generators (`forward_native`: one
+    vocabulary row of exponential noise per step)."""
+    sampler = Sampler()
+    topk_topp = sampler.topk_topp_sampler
+    topk_topp.forward = getattr(topk_topp, f"forward_{path}")
+    return sampler
+
+
+@pytest.mark.parametrize("path", ["cpu", "native"])
 @pytest.mark.parametrize("branch, accepted", [
     ("left", 3),    # the draws follow node 1 -> node 3 (a leaf): 3 tokens emitted
     ("right", 2),   # the draws follow node 2, which has no child: 2 tokens emitted
     ("none", 1),    # no child of the root carries the first draw: 1 token emitted
 ])
-def test_seeded_draws_are_plain_decodings_draws(branch, accepted):
+def test_seeded_draws_are_plain_decodings_draws(branch, accepted, path):
     # Every node at depth d has the same target distribution, so plain decoding's d-th seeded
     # draw from vLLM's own Sampler is the token the tree must emit at depth d, whichever branch
     # the draft took; afterwards the generator must be where plain's is after as many draws.
@@ -287,8 +298,8 @@ def test_seeded_draws_are_plain_decodings_draws(branch, accepted):
     meta = lambda gen: sampling(1, greedy=False, temperature=0.9, generators={0: gen})  # noqa
     for seed in range(6):
         plain_gen = torch.Generator().manual_seed(seed)
-        plain = [Sampler().sample(depth_logits[d: d + 1].clone(), meta(plain_gen))[0].item()
-                 for d in range(4)]
+        plain = [sampler_on(path).sample(depth_logits[d: d + 1].clone(), meta(plain_gen))[0]
+                 .item() for d in range(4)]
         other = [(t + 1) % V for t in plain]  # tokens the walk must not follow
         tokens = {"left": [0, plain[0], other[0], plain[1], other[1]],
                   "right": [0, other[0], plain[0], other[1], other[1]],
@@ -297,11 +308,13 @@ def test_seeded_draws_are_plain_decodings_draws(branch, accepted):
         logits = depth_logits[depths]
         gen = torch.Generator().manual_seed(seed)
         step = step_with({"a": VerifiedTree(tree(tokens=tokens), 40, 0, compact=False)})
+        step.runner.sampler = sampler_on(path)
         out = verify(step, [4], logits, meta(gen)).sampled_token_ids[0]
         assert out[:accepted].tolist() == plain[:accepted]
         assert (out[accepted:] == PLACEHOLDER).all()
         # the generator advanced by one plain draw per emitted token: the next draw is plain's
-        follow = Sampler().sample(depth_logits[accepted: accepted + 1].clone(), meta(gen))[0]
+        follow = sampler_on(path).sample(depth_logits[accepted: accepted + 1].clone(),
+                                         meta(gen))[0]
         assert follow.item() == plain[accepted]
 
 
