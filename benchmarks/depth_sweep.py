@@ -198,7 +198,7 @@ def markdown(report: dict) -> str:
 
 def write_projection(args) -> None:
     from plots import plot_projection
-    from projection import projection_markdown, projection_rows, settings_grid
+    from projection import adaptive_markdown, projection_markdown, projection_rows, settings_grid
 
     settings = settings_grid(args.bandwidths, args.memory_gb, draft_pass_ms=args.draft_pass_ms)
     report = json.loads((RESULTS / args.name).with_suffix(".json").read_text())
@@ -206,6 +206,10 @@ def write_projection(args) -> None:
     out = RESULTS / f"{args.name}_projection"
     out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
     md = projection_markdown(rows, f"`{report['command']}`", settings)
+    deepest = max((r for r in report["runs"] if r["config"].startswith("tree")),
+                  key=lambda r: r["depth"], default=None)
+    if deepest is not None:
+        md += "\n" + adaptive_markdown(deepest, settings)
     md += f"\nCommand: `python {' '.join(sys.argv)}`\n"
     out.with_suffix(".md").write_text(md + f"\n![projection]({out.name}.png)\n")
     plot_projection(rows, out.with_suffix(".png"))

@@ -70,6 +70,39 @@ def projection_rows(runs: list[dict], settings=SETTINGS) -> list[dict]:
             for r in runs]
 
 
+def adaptive_depth(acceptance_per_depth: list[float], gpu: GpuSetting) -> dict:
+    """The depth the auto shape's cost model settles on for `gpu`, from a measured acceptance
+    curve (P(accepted length >= j), j = 1..D, of a deep fixed-depth run): the D maximising
+    projected speed-up with τ(D) = 1 + sum_{j<=D} P(>= j). Per-step adaptivity (stopping
+    earlier in steps whose tree lost the target) is not modelled, so this is conservative."""
+    best = None
+    for d in range(1, len(acceptance_per_depth) + 1):
+        tau = 1.0 + sum(acceptance_per_depth[:d])
+        speedup = projected_speedup(tau, d, gpu)
+        if best is None or speedup > best["speedup"]:
+            best = {"depth": d, "tau": tau, "speedup": speedup}
+    return best
+
+
+def adaptive_markdown(run: dict, settings=SETTINGS) -> str:
+    """PROJECTED: fixed depth `run['depth']` vs the depth the cost model picks, per setting."""
+    names = [s.name for s in settings]
+    curve = run["acceptance_per_depth"][: run["depth"]]
+    lines = ["## PROJECTED: adaptive depth on a GPU (a model, not a measurement)", "",
+             f"From {run['config']}'s measured acceptance per depth: the depth the auto shape's "
+             "cost model picks for each setting (D*), its τ and draft passes, against the fixed "
+             f"depth {run['depth']} (`benchmarks/projection.py` `adaptive_depth`).", "",
+             "| setting | fixed: τ, passes, speed-up | adaptive: D*, τ, speed-up | draft passes "
+             "saved |", "|---|---|---|---|"]
+    for s, name in zip(settings, names):
+        fixed = projected_speedup(1.0 + sum(curve), run["depth"], s)
+        a = adaptive_depth(curve, s)
+        lines.append(f"| {name} | {1.0 + sum(curve):.2f}, {run['depth']}, {fixed:.1f}x | "
+                     f"{a['depth']}, {a['tau']:.2f}, {a['speedup']:.1f}x | "
+                     f"{1 - a['depth'] / run['depth']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
 def projection_markdown(rows: list[dict], source: str, settings=SETTINGS) -> str:
     names = [s.name for s in settings]
     lines = [

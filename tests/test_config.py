@@ -11,9 +11,28 @@ def test_defaults_and_roundtrip():
     opts = SubSpecOptions.from_dict({})
     assert (opts.bits, opts.group_size, opts.draft_temperature) == (4, 64, 0.2)
     assert opts.substitute_layers == "offloaded"
-    # a k=6 tree by default; this suite runs on CPU, where the default depth is 16
-    assert (opts.tree_width, opts.tree_depth, opts.num_draft_tokens) == (6, 16, 96)
-    assert opts.is_tree
+    # an auto shape by default: widths up to 6, depths up to 32 on CPU (this suite's platform);
+    # vLLM reserves and schedules at most 6 * 32 draft tokens
+    assert (opts.tree_width, opts.tree_depth, opts.num_draft_tokens) == (6, 32, 192)
+    assert opts.is_tree and opts.auto_width and opts.auto_depth
+    assert opts.widths == (1, 2, 4, 6)
+    assert SubSpecOptions.from_dict(json.loads(json.dumps(opts.to_dict()))) == opts
+    assert opts.to_dict()["tree_width"] == opts.to_dict()["tree_depth"] == "auto"
+
+
+@pytest.mark.parametrize("raw, shape, auto", [
+    ({"tree_width": "auto", "tree_depth": "auto"}, (6, 32), (True, True)),
+    ({"tree_width": 4}, (4, 32), (False, True)),        # fixed width, depth adaptive
+    ({"tree_depth": 16}, (6, 16), (True, False)),       # fixed depth, width tuned
+    ({"tree_width": 6, "tree_depth": 16}, (6, 16), (False, False)),  # fixed: as before
+    ({"tree_width": 1}, (1, 16), (False, False)),       # a chain keeps a fixed depth
+])
+def test_auto_and_fixed_shapes(raw, shape, auto):
+    opts = SubSpecOptions.from_dict(raw)
+    assert (opts.tree_width, opts.tree_depth) == shape
+    assert (opts.auto_width, opts.auto_depth) == auto
+    assert opts.widths == ((1, 2, 4, 6) if auto[0] else (shape[0],))
+    assert SubSpecOptions.from_dict(json.loads(json.dumps(opts.to_dict()))) == opts
 
 
 def test_chain_shorthand():
@@ -32,7 +51,9 @@ def test_chain_shorthand():
     ({"group_size": 48}, "group_size must be one of"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
-    ({"tree_width": 0}, "tree_width must be an integer in [1, 16]"),
+    ({"tree_width": 0}, 'tree_width must be an integer in [1, 16] or "auto"'),
+    ({"tree_depth": "deep"}, 'tree_depth must be an integer in [1, 64] or "auto"'),
+    ({"auto_width": True}, "unknown speculative_config key(s) ['auto_width']"),
     ({"tree_depth": 65}, "tree_depth must be an integer in [1, 64]"),
     ({"tree_width": 16, "tree_depth": 64}, "at most 512"),
     ({"num_speculative_tokens": 4, "tree_depth": 8}, "num_speculative_tokens is the chain depth"),

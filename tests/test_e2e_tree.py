@@ -70,7 +70,42 @@ def test_tree_greedy_identical(smollm2, prompts, plain, depth):
     assert all(a == 0 for a in stats.accepted_per_position[depth:])
 
 
-def test_tree_with_prefills_preemption_and_prefix_cache(smollm2):
+def test_auto_shape_greedy_identical(smollm2, prompts, plain, monkeypatch):
+    """The default config ({"method": "subspec"}: auto width and adaptive depth): each step's
+    shape comes from measured costs, requests send trees of different depths to verification
+    (vLLM schedules what each gets), and the output is still plain decoding's."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
+    llm = make_llm(smollm2, {"method": "subspec"}, **FP32)
+    try:
+        result = timed_generate(llm, prompts, GREEDY)
+        penalized = timed_generate(llm, prompts[:NUM_PENALIZED], PENALIZED)
+        tuner = llm.collective_rpc(_tuner_state)[0]
+    finally:
+        shutdown(llm)
+    plain_greedy, plain_penalized = plain
+    assert_identical(result.token_ids, plain_greedy.token_ids)
+    assert_identical(penalized.token_ids, plain_penalized.token_ids)
+    stats = result.stats
+    assert stats.tau > 2.0
+    # the tuner measured both sides and tried every width before choosing
+    assert tuner["verify_rows_seen"] and tuner["draft_passes_seen"]
+    assert tuner["widths_run"] == [1, 2, 4, 6]
+    # vLLM was sent fewer draft tokens than the 6 x 32 it reserves for
+    assert stats.num_draft_tokens < stats.num_drafts * 6 * 32
+
+
+def _tuner_state(worker) -> dict:
+    tuner = worker.model_runner.drafter.tuner
+    return {"verify_rows_seen": tuner.verify.known,
+            "draft_passes_seen": tuner.draft_pass[tuner.width].known,
+            "widths_run": sorted(w for w, a in tuner.acceptance.items() if a.steps)}
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "subspec", "tree_width": 6, "tree_depth": 8, "substitute_layers": "all"},
+    {"method": "subspec"},  # auto shape
+], ids=["6x8", "auto"])
+def test_tree_with_prefills_preemption_and_prefix_cache(smollm2, spec):
     """Staggered lengths (prefills join running decodes), a KV cache too small for every request
     at once (preemption), and a shared system prompt (prefix-cache hits)."""
     # longer than one KV block (128 tokens on the CPU backend), so it can be shared
@@ -97,12 +132,11 @@ def test_tree_with_prefills_preemption_and_prefix_cache(smollm2):
             shutdown(llm)
 
     plain_ids, _, _ = run(None)
-    spec_ids, metrics, stats = run({"method": "subspec", "tree_width": 6, "tree_depth": 8,
-                                    "substitute_layers": "all"})
+    spec_ids, metrics, stats = run(spec)
     assert_identical(spec_ids, plain_ids)
     assert metrics["vllm:num_preemptions"] > 0
     assert metrics["vllm:prefix_cache_hits"] > 0
-    assert stats.tau > 3.0
+    assert stats.tau > (3.0 if "tree_depth" in spec else 2.0)
 
 
 def test_bf16_tree_on_an_amx_cpu_runs_the_vec_kernels(tiny_llama, tmp_path):

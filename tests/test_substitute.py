@@ -9,6 +9,7 @@ from torch import nn
 
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.draft_model import (
+    DraftModel,
     build_substitutes,
     draft_row_counts,
     substitute_layer,
@@ -44,6 +45,25 @@ def test_int4_cpu_matches_reference(weight, group_size):
     assert rel_err(fast, ref) < 1e-2  # bf16 accumulation differences only
     # 3-D activations keep their leading dims
     assert Int4CpuKernel(qw, torch.bfloat16)(x.view(1, 7, 256)).shape == (1, 7, 192)
+
+
+@pytest.mark.parametrize("method", ["rtn", "hqq"])
+def test_large_weights_are_quantized_in_row_blocks(weight, monkeypatch, method):
+    """Row blocks bound the solver's memory: round-to-nearest is per group, so blocks give the
+    very same codes; HQQ's solver stops per block, so its error must stay as small."""
+    import vllm_subspec.substitute as substitute
+
+    whole = quantize(weight, bits=4, group_size=64, method=method)
+    monkeypatch.setattr(substitute, "QUANTIZE_BLOCK_ELEMENTS", 50 * weight.shape[1])
+    blocked = quantize(weight, bits=4, group_size=64, method=method)  # 192 rows: 4 blocks
+    assert blocked.codes.shape == whole.codes.shape and blocked.scale.shape == whole.scale.shape
+    if method == "rtn":
+        for t in ("codes", "scale", "zero"):
+            assert torch.equal(getattr(blocked, t), getattr(whole, t)), t
+    else:
+        ref = weight.float()
+        err = (lambda q: rel_err(q.dequantize(torch.float32), ref))
+        assert err(blocked) <= 1.05 * err(whole)
 
 
 def test_quantization_is_accurate_and_codes_in_range(weight):
@@ -97,15 +117,63 @@ def test_substitute_memory_is_28_percent_of_bf16():
     linear_bytes = sum(p.numel() * 2 for name, p in model.model.layers[0].named_parameters()
                        if "proj" in name) * 2
     assert subs.replaced_bytes == linear_bytes
-    ratio = subs.nbytes() / subs.replaced_bytes
+    head_bytes = model.lm_head.weight.numel() * 2
+    ratio = (subs.nbytes() - subs.lm_head.nbytes()) / subs.replaced_bytes
     # 4 bits + one bf16 scale and one bf16 zero per 64 weights = 4.5 bits = 28.1% of bf16
     assert ratio == pytest.approx(4.5 / 16, rel=0.01)
+    # the draft's own lm_head: the same 4.5 bits, held besides the target's
+    assert subs.lm_head.nbytes() / head_bytes == pytest.approx(4.5 / 16, rel=0.01)
     # substitutes are not registered as submodules of the target
     assert not any("subspec" in n for n, _ in model.named_modules())
 
     assert subs.layout(kv_cache_bytes=2**30).startswith(
         "vllm-subspec layout: 3 layers; resident (shared) 1; substituted 0,2; substitutes ")
-    assert subs.layout(kv_cache_bytes=2**30).endswith("KV cache 1.000 GiB")
+    assert subs.layout(kv_cache_bytes=2**30).endswith(
+        "; draft lm_head quantized, 0.000 GiB; KV cache 1.000 GiB")
+    target_head = build_substitutes(model, [0], SubSpecOptions.from_dict(
+        {"quantizer": "rtn", "draft_lm_head": "target"}), CPU)
+    assert target_head.lm_head is None
+    assert "draft lm_head the target's" in target_head.layout(0)
+
+
+@pytest.mark.parametrize("soft_cap", [None, 30.0])
+def test_the_drafts_quantized_lm_head_finishes_logits_as_vllm_does(soft_cap):
+    """DraftModel.compute_logits through the quantized lm_head: the vocabulary padding is cut,
+    the soft cap applied, as vLLM's LogitsProcessor does for the target; and the 4-bit logits
+    keep the target's top tokens (what the draft proposes from)."""
+    model = decoder_stub(1, 128, seed=0, soft_cap=soft_cap)
+    model.model.layers[0].self_attn.attn = nn.Module()  # stands for vLLM's Attention
+    model.compute_logits = lambda h: model.logits_processor(_Head(model.lm_head), h)
+    hidden = torch.randn(16, 128, dtype=torch.bfloat16)
+    target_logits = model.compute_logits(hidden)
+    for head, close in (("quantized", False), ("target", True)):
+        opts = SubSpecOptions.from_dict({"quantizer": "hqq", "draft_lm_head": head})
+        draft = DraftModel(model, build_substitutes(model, [0], opts, CPU), CPU)
+        logits = draft.compute_logits(hidden)
+        assert logits.shape == (16, 250) == target_logits.shape
+        if close:
+            assert torch.equal(logits, target_logits)
+            continue
+        assert not torch.equal(logits, target_logits)
+        assert torch.allclose(logits.float(), target_logits.float(), atol=0.15 * float(
+            target_logits.float().abs().max()))
+        top_t = target_logits.float().topk(5, -1).indices
+        assert (logits.float().argmax(-1)[:, None] == top_t).any(-1).float().mean() >= 0.9
+        if soft_cap is not None:
+            assert logits.float().abs().max() <= soft_cap
+
+
+class _Head:
+    """What vLLM's LogitsProcessor calls on an unquantized lm_head (quant_method.apply)."""
+
+    tp_size = 1
+
+    def __init__(self, linear):
+        self.quant_method = self
+        self.linear = linear
+
+    def apply(self, layer, hidden, bias=None):
+        return self.linear(hidden)
 
 
 def test_substitute_layer_shares_attention_and_owns_the_rest():
@@ -143,7 +211,8 @@ def test_warm_up_runs_each_linear_shape_once_per_warm_up_key():
     ran = subs.warm_up(max_num_seqs=3, tree_width=4, dtype=torch.bfloat16, device=CPU)
     # one representative per linear (every layer has the same shapes)
     assert sorted(calls) == sorted((n, m) for n in subs.layers[0] for m in (1, 2, 3, 4, 8, 12))
-    assert ran == {n: [1, 2, 3, 4, 8, 12] for n in subs.layers[0]}
+    assert ran == {**{n: [1, 2, 3, 4, 8, 12] for n in subs.layers[0]},
+                   "lm_head": [1]}  # the unwrapped int4 aten op: one key for every row count
 
     # with a key, the first row count of each key runs (here: the bit length)
     calls.clear()

@@ -66,6 +66,7 @@ def _assert_same(a, b):
 
 
 def _build(model, options, cache):
+    """Layers 0 and 1: their 8 linears and the draft's quantized lm_head, 9 entries."""
     opts = SubSpecOptions.from_dict({**options.to_dict(), "kernel": "reference"})
     return build_substitutes(model, [0, 1], opts, CPU, cache=cache)
 
@@ -84,16 +85,16 @@ def test_warm_build_quantizes_nothing_and_matches(model_dir, tmp_path, monkeypat
     counter = _CountingQuantize(monkeypatch)
     cache, options = _cache(model_dir, tmp_path / "cache")
     cold = _build(model, options, cache)
-    assert len(counter.calls) == 8 and cold.built == 8 and cold.cache_hits == 0
+    assert len(counter.calls) == 9 and cold.built == 9 and cold.cache_hits == 0
     files = sorted(cache.folder.glob("*.safetensors"))
-    assert len(files) == 8
+    assert len(files) == 9
     assert not list(cache.folder.glob(".*tmp*"))  # temp files were renamed into place
     mtimes = [f.stat().st_mtime_ns for f in files]
 
     counter.calls.clear()
     cache2, _ = _cache(model_dir, tmp_path / "cache")
     warm = _build(model, options, cache2)
-    assert counter.calls == [] and warm.built == 0 and warm.cache_hits == 8
+    assert counter.calls == [] and warm.built == 0 and warm.cache_hits == 9
     _assert_same(_qws(warm), _qws(cold))
     assert [f.stat().st_mtime_ns for f in files] == mtimes  # nothing rewritten
     # and the cold build equals a build without any cache
@@ -143,14 +144,14 @@ def test_bad_entry_is_rebuilt(model_dir, tmp_path, monkeypatch, damage, vllm_cap
     with vllm_caplog.at_level("WARNING", logger="vllm.vllm_subspec.substitute_cache"):
         again = _build(model, options, cache2)
     assert counter.calls == [(128, 256)]  # only layer 1's down_proj was quantized again
-    assert cache2.rebuilt == 1 and cache2.hits == 7
+    assert cache2.rebuilt == 1 and cache2.hits == 8
     assert "unusable" in vllm_caplog.text and victim[0].name in vllm_caplog.text
     _assert_same(_qws(again), _qws(cold))
 
     counter.calls.clear()  # the rebuilt entry was written back and now loads
     cache3, _ = _cache(model_dir, tmp_path / "cache")
     _build(model, options, cache3)
-    assert counter.calls == [] and cache3.hits == 8
+    assert counter.calls == [] and cache3.hits == 9
 
 
 def test_key_covers_options_weights_and_linear(model_dir, tmp_path):
@@ -203,7 +204,7 @@ def test_unwritable_cache_does_not_stop_the_build(model_dir, tmp_path):
     root.chmod(0o500)
     cache, options = _cache(model_dir, root)
     subs = _build(_model(), options, cache)
-    assert subs.built == 8 and cache.write_errors == 8
+    assert subs.built == 9 and cache.write_errors == 9
 
 
 def test_unwritable_cache_path_does_not_stop_the_build(model_dir, tmp_path):
@@ -211,7 +212,7 @@ def test_unwritable_cache_path_does_not_stop_the_build(model_dir, tmp_path):
     blocker.write_text("a file where the cache folder should be")
     cache, options = _cache(model_dir, blocker)
     subs = _build(_model(), options, cache)
-    assert subs.built == 8 and cache.write_errors == 8 and len(subs.layers) == 2
+    assert subs.built == 9 and cache.write_errors == 9 and len(subs.layers) == 2
 
 
 def test_option_validation():
@@ -271,8 +272,8 @@ def test_engine_warm_start_builds_nothing(smollm2, tmp_path, monkeypatch):
         runs.append((counts, ids))
         if len(runs) == 1:
             files = list(root.glob("*/*.safetensors"))
-            assert len(files) == 120
+            assert len(files) == 121  # 30 layers x 4 linears, and the draft's lm_head
     (cold_counts, cold_ids), (warm_counts, warm_ids) = runs
-    assert cold_counts == (120, 0, 120)
-    assert warm_counts == (0, 120, 120)
+    assert cold_counts == (121, 0, 120)
+    assert warm_counts == (0, 121, 120)
     assert warm_ids == cold_ids and all(len(t) == 24 for t in warm_ids)

@@ -210,3 +210,41 @@ def test_kernel_arithmetic_is_the_documented_one(dtype, seq_len):
         plain = _torch_rows(q[None], CpuVecLayout(kv), block_table,
                             TreeRows(0, 0, seq_len - 1, chain), 0.1)[0]
         assert not torch.equal(plain, ref)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(12, 2), (8, 8), (6, 1)])
+def test_torch_rows_group_query_heads_like_one_head_at_a_time(heads, kv_heads):
+    """The torch tree rows (the path off the CPU kernel: FlashAttention caches) compute grouped
+    query attention per KV head; the reference loops over query heads, each reading KV head
+    h // (heads / kv_heads), with the tree's ancestor-only mask over the tree slots."""
+    d, prefix, scale = 16, 7, 0.25
+    shape = TreeShape(2, 3)
+    m = shape.num_nodes
+    gen = torch.Generator().manual_seed(heads)
+    keys = torch.randn(prefix + m, kv_heads, d, generator=gen)
+    values = torch.randn(prefix + m, kv_heads, d, generator=gen)
+
+    class Dense:  # a cache read through slots = logical positions (block table 0..n)
+        block_size = 4
+
+        def __init__(self):
+            self.kv_heads = kv_heads
+
+        def gather(self, slots):
+            return keys[slots], values[slots]
+
+    tree = TreeBatch(shape, torch.tensor([3]))
+    for _ in range(shape.depth):
+        tree.grow(torch.randn(1, *([2] if tree.grown else []), 11, generator=gen).log_softmax(-1))
+    mask = tree.mask[0]
+    q = torch.randn(m, heads, d, generator=gen)
+    block_table = torch.arange(8)
+    out = _torch_rows(q, Dense(), block_table, TreeRows(0, 0, prefix, mask), scale)
+    groups = heads // kv_heads
+    ref = torch.empty_like(out)
+    for h in range(heads):
+        kh, vh = keys[:, h // groups], values[:, h // groups]
+        scores = q[:, h] @ kh.T * scale  # [m, prefix + m]
+        scores[:, prefix:] = scores[:, prefix:].masked_fill(~mask, float("-inf"))
+        ref[:, h] = scores.softmax(-1) @ vh
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -12,7 +12,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_subspec.tree import StoredTree, TreeShape
+from vllm_subspec.tree import StoredTree
 from vllm_subspec.tree_attention import CpuVecLayout, TreeMask, logical_to_slots
 from vllm_subspec.verify import PLACEHOLDER, TreeStep, VerifiedTree, chain_tree
 
@@ -29,7 +29,7 @@ PARENTS = [-1, 0, 0, 1, 1]
 
 def tree(tokens=TOKENS, parents=PARENTS) -> StoredTree:
     n = len(tokens)
-    return StoredTree(list(tokens), list(parents), torch.ones(n, n, dtype=torch.bool))
+    return StoredTree(list(tokens), list(parents), torch.ones(n, n, dtype=torch.bool), width=2)
 
 
 def logits_for(draws: list[int], margin: float = 4.0) -> torch.Tensor:
@@ -60,7 +60,7 @@ def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None) -> Tree
         req_ids=req_ids, num_reqs=len(req_ids),
         block_table=[SimpleNamespace(get_device_tensor=lambda n: block_table[:n])])
     runner = SimpleNamespace(input_batch=batch, sampler=Sampler())
-    step = TreeStep(runner, TreeShape(2, 2), TreeMask())
+    step = TreeStep(runner, TreeMask())
     step.verifying = dict(trees)
     if kv is not None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -249,10 +249,9 @@ def runner_for_prepare(num_computed, drafts_per_req):
 
 
 def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
-    shape = TreeShape(2, 2)
     drafts = {"a": [5, 6, 7, 8], "b": [0, 0, 0, 0]}
     runner = runner_for_prepare([40, 90], drafts)
-    step = TreeStep(runner, shape, TreeMask())
+    step = TreeStep(runner, TreeMask())
     step.drafted = {"a": tree()}  # "b" has no stored tree: vLLM's placeholder drafts
     sched = SimpleNamespace(scheduled_spec_decode_tokens=drafts)
     step.prepare_verify(sched)

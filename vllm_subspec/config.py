@@ -35,14 +35,21 @@ _BITS = (2, 3, 4, 8)
 _GROUP_SIZES = (32, 64, 128, 256)
 _KERNELS = ("auto", "int4_cpu", "gemlite", "reference")
 _QUANTIZERS = ("hqq", "rtn")
+_DRAFT_LM_HEADS = ("quantized", "target")
 MAX_DEPTH = 64
 MAX_WIDTH = 16
 MAX_TREE_NODES = 512
+AUTO = "auto"
 DEFAULT_TREE_WIDTH = 6
-# Tree depth: the paper's 48 where the target streams its weights over PCIe (CUDA offload). On
-# the CPU backend nothing is offloaded and the tree-masked attention is a torch fallback, so a
-# 289-node verify costs far more than a decode step: 16 (97 nodes) keeps steps short.
+# A fixed tree depth given without a width, or a chain's (tree_width 1) depth: the paper's 48
+# where the target streams its weights over PCIe (CUDA offload); on the CPU backend, where a
+# verify row costs a target row, 16.
 DEFAULT_TREE_DEPTH = {"cuda": 48, "cpu": 16}
+# "auto" (the default for both): the shape tuner (shape_tuner.py) picks each step's width among
+# these and stops each step's tree at the depth that still pays, at most AUTO_MAX_DEPTH deep.
+# A value the user gives is fixed.
+AUTO_TREE_WIDTHS = (1, 2, 4, 6)
+AUTO_MAX_DEPTH = {"cuda": 48, "cpu": 32}
 
 
 class SubSpecConfigError(ValueError):
@@ -58,9 +65,13 @@ class SubSpecOptions:
     fills the defaults; `options_from_vllm_config` does that once per process)."""
 
     tree_width: int = DEFAULT_TREE_WIDTH
-    """k: tree nodes kept per depth (1 = chain drafting)."""
-    tree_depth: int = DEFAULT_TREE_DEPTH["cpu"]
-    """D: draft depth. Default 48 on CUDA, 16 on CPU (DEFAULT_TREE_DEPTH)."""
+    """k: tree nodes kept per depth (1 = chain drafting); with auto_width, the widest allowed."""
+    tree_depth: int = AUTO_MAX_DEPTH["cpu"]
+    """D: draft depth; with auto_depth, the deepest allowed (AUTO_MAX_DEPTH)."""
+    auto_width: bool = True
+    """"tree_width": "auto" (the default): the shape tuner picks k per step."""
+    auto_depth: bool = True
+    """"tree_depth": "auto" (the default): each step's tree stops where more depth stops paying."""
     substitute_layers: str | tuple[int, ...] = "offloaded"
     """"offloaded" (layers vLLM's offloader put in CPU memory), "all", or layer indices."""
     bits: int = 4
@@ -73,10 +84,26 @@ class SubSpecOptions:
     """hqq (HQQ solver, the paper's choice) or rtn (round-to-nearest; fast, for tests)."""
     substitute_cache: bool | str = True
     """Built substitutes are cached on disk: true = default folder, a folder path, or false."""
+    draft_lm_head: str = "quantized"
+    """The draft's output projection: "quantized" (its own bits/group_size copy of the target's
+    lm_head: the largest matrix a draft pass reads) or "target" (the target's own)."""
 
     @property
     def is_tree(self) -> bool:
-        return self.tree_width > 1
+        """Verified by sample-then-match (verify.TreeStep); auto shapes always are, even when
+        the tuner picks width 1."""
+        return self.tree_width > 1 or self.auto_width
+
+    @property
+    def is_auto(self) -> bool:
+        return self.auto_width or self.auto_depth
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The widths a step may use: the tuner's candidates up to tree_width, or the one."""
+        if not self.auto_width:
+            return (self.tree_width,)
+        return tuple(w for w in AUTO_TREE_WIDTHS if w < self.tree_width) + (self.tree_width,)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -85,6 +112,11 @@ class SubSpecOptions:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if self.auto_width:  # fields a user cannot set; the "auto" values say it
+            d["tree_width"] = AUTO
+        if self.auto_depth:
+            d["tree_depth"] = AUTO
+        del d["auto_width"], d["auto_depth"]
         if isinstance(self.substitute_layers, tuple):
             d["substitute_layers"] = list(self.substitute_layers)
         return d
@@ -94,7 +126,8 @@ class SubSpecOptions:
         """Validate user options (every problem in one message) and resolve the defaults.
         `num_speculative_tokens: D` is the chain shorthand for tree_width 1, tree_depth D."""
         raw = {k.replace("-", "_"): v for k, v in raw.items()}
-        known = {f.name for f in dataclasses.fields(cls)} | {"num_speculative_tokens"}
+        known = ({f.name for f in dataclasses.fields(cls)} - {"auto_width", "auto_depth"}
+                 | {"num_speculative_tokens"})
         unknown = sorted(set(raw) - known)
         if unknown:
             raise SubSpecConfigError(
@@ -107,10 +140,15 @@ class SubSpecOptions:
         chain = raw.pop("num_speculative_tokens", None)
         if chain is not None:
             raw.update(tree_width=1, tree_depth=chain)
-        if raw.get("tree_width") is None:
-            raw["tree_width"] = DEFAULT_TREE_WIDTH
-        if raw.get("tree_depth") is None:
-            raw["tree_depth"] = DEFAULT_TREE_DEPTH["cpu" if _platform_is_cpu() else "cuda"]
+        platform = "cpu" if _platform_is_cpu() else "cuda"
+        width, depth = raw.get("tree_width", AUTO), raw.get("tree_depth", AUTO)
+        # a chain (tree_width 1) keeps vLLM's rejection sampler and a fixed depth
+        raw["auto_width"] = width in (AUTO, None)
+        raw["auto_depth"] = depth in (AUTO, None) and width != 1
+        raw["tree_width"] = DEFAULT_TREE_WIDTH if raw["auto_width"] else width
+        if depth in (AUTO, None):
+            depth = AUTO_MAX_DEPTH[platform] if raw["auto_depth"] else DEFAULT_TREE_DEPTH[platform]
+        raw["tree_depth"] = depth
         if raw["tree_width"] * raw["tree_depth"] > MAX_TREE_NODES:
             raise SubSpecConfigError(
                 f"invalid speculative_config: tree_width * tree_depth must be at most "
@@ -142,8 +180,10 @@ def _problems(raw: dict[str, Any]) -> list[str]:
     for name, hi in (("num_speculative_tokens", MAX_DEPTH), ("tree_depth", MAX_DEPTH),
                      ("tree_width", MAX_WIDTH)):
         v = get(name)
-        if v is not None and (not _is_int(v) or not 1 <= v <= hi):
-            p.append(f"{name} must be an integer in [1, {hi}], got {v!r}")
+        if v is not None and not (name != "num_speculative_tokens" and v == AUTO) and (
+                not _is_int(v) or not 1 <= v <= hi):
+            auto = "" if name == "num_speculative_tokens" else f' or "{AUTO}"'
+            p.append(f"{name} must be an integer in [1, {hi}]{auto}, got {v!r}")
     if get("num_speculative_tokens") is not None and (
             get("tree_depth") is not None or get("tree_width") not in (None, 1)):
         p.append("num_speculative_tokens is the chain depth (tree_width=1); for a tree give "
@@ -177,6 +217,9 @@ def _problems(raw: dict[str, Any]) -> list[str]:
     c = get("substitute_cache")
     if not (c is None or isinstance(c, bool) or (isinstance(c, str) and c.strip())):
         p.append(f"substitute_cache must be true, false or a folder path, got {c!r}")
+    if get("draft_lm_head", "quantized") not in _DRAFT_LM_HEADS:
+        p.append(f"draft_lm_head must be one of {list(_DRAFT_LM_HEADS)}, "
+                 f"got {get('draft_lm_head')!r}")
     if get("quantizer", "hqq") not in _QUANTIZERS:
         p.append(f"quantizer must be one of {list(_QUANTIZERS)}, got {get('quantizer')!r}")
     return p

@@ -38,26 +38,31 @@ class SubstituteSet:
 
     num_layers: int = 0  # decoder layers in the target
     layers: dict[int, dict[str, SubstituteLinear]] = field(default_factory=dict)
+    lm_head: SubstituteLinear | None = None  # the draft's own output projection, if quantized
     replaced_bytes: int = 0  # bytes of the target linear weights they stand in for
     built: int = 0  # substitutes quantized at this start (the rest came from the cache)
     cache_hits: int = 0
     build_seconds: float = 0.0  # quantizing or loading them, and packing the kernels
 
     def nbytes(self) -> int:
-        return sum(s.nbytes() for subs in self.layers.values() for s in subs.values())
+        head = self.lm_head.nbytes() if self.lm_head is not None else 0
+        return head + sum(s.nbytes() for subs in self.layers.values() for s in subs.values())
 
     def layout(self, kv_cache_bytes: int) -> str:
         """The start-up summary: which layers are shared, which substituted, what it costs."""
         chosen = sorted(self.layers)
         resident = [i for i in range(self.num_layers) if i not in self.layers]
-        share = 100 * self.nbytes() / max(self.replaced_bytes, 1)
+        head = self.lm_head.nbytes() if self.lm_head is not None else 0
+        share = 100 * (self.nbytes() - head) / max(self.replaced_bytes, 1)
+        head_text = f"quantized, {head / 2**30:.3f} GiB" if head else "the target's"
         return (f"vllm-subspec layout: {self.num_layers} layers; resident (shared) "
                 f"{_ranges(resident)}; substituted {_ranges(chosen)}; substitutes "
-                f"{self.nbytes() / 2**30:.3f} GiB ({share:.1f}% of the "
-                f"{self.replaced_bytes / 2**30:.3f} GiB they replace); KV cache "
-                f"{kv_cache_bytes / 2**30:.3f} GiB")
+                f"{(self.nbytes() - head) / 2**30:.3f} GiB ({share:.1f}% of the "
+                f"{self.replaced_bytes / 2**30:.3f} GiB they replace); draft lm_head "
+                f"{head_text}; "
+                f"KV cache {kv_cache_bytes / 2**30:.3f} GiB")
 
-    def warm_up(self, max_num_seqs: int, tree_width: int, dtype: torch.dtype,
+    def warm_up(self, max_num_seqs: int, tree_width: int | tuple[int, ...], dtype: torch.dtype,
                 device: torch.device) -> dict[str, list[int]]:
         """Run every kernel shape once per distinct compile/autotune key (`warm_up_key`) of the
         row counts the drafter can send, so that GemLite's Triton autotuning and compilation
@@ -67,6 +72,8 @@ class SubstituteSet:
         for subs in self.layers.values():
             for name, sub in subs.items():
                 one_per_linear.setdefault(name, sub)
+        if self.lm_head is not None:
+            one_per_linear["lm_head"] = self.lm_head
         ran: dict[str, list[int]] = {}
         with torch.inference_mode():
             for name, sub in one_per_linear.items():
@@ -127,11 +134,16 @@ def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
     subs.attach_to(model)  # the layout is logged once the KV cache is sized (the proposer)
 
 
-def draft_row_counts(max_num_seqs: int, tree_width: int) -> list[int]:
+def draft_row_counts(max_num_seqs: int, tree_width: int | tuple[int, ...]) -> list[int]:
     """Every row count a draft forward can have (proposer.py): a chain step and a tree's root
-    pass run one row per request (b = 1..max_num_seqs), later tree levels k rows per request."""
+    pass run one row per request (b = 1..max_num_seqs), later tree levels k rows per request,
+    for each width k a step may use (an auto shape's candidates)."""
+    widths = (tree_width,) if isinstance(tree_width, int) else tree_width
     batches = range(1, max(max_num_seqs, 1) + 1)
-    return sorted(set(batches) | {b * max(tree_width, 1) for b in batches})
+    return sorted(set(batches) | {b * max(k, 1) for b in batches for k in widths})
+
+
+LM_HEAD, LM_HEAD_INDEX = ("lm_head",), -1  # the lm_head's job id and cache index
 
 
 def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSpecOptions,
@@ -149,15 +161,24 @@ def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSp
     subs = SubstituteSet(num_layers=len(layers))
     jobs = [((i, name), i, name, getattr(_linear_owner(layers[i], name), name))
             for i in layer_indices for name in SUBSTITUTE_LINEARS]
-    for (i, name), linear, qw in quantized_weights(jobs, options, device, cache):
-        subs.layers.setdefault(i, {})[name] = substitute_from_quantized(
-            qw, linear, device, options.kernel, name=f"layers.{i}.{name}")
+    if options.draft_lm_head == "quantized" and layer_indices:
+        jobs.append((LM_HEAD, LM_HEAD_INDEX, "lm_head", model.lm_head))
+    for job, linear, qw in quantized_weights(jobs, options, device, cache):
+        sub = substitute_from_quantized(
+            qw, linear, device, options.kernel,
+            name="lm_head" if job == LM_HEAD else f"layers.{job[0]}.{job[1]}")
+        if job == LM_HEAD:  # an extra copy: the target keeps its own for verification
+            subs.lm_head = sub
+            continue
+        subs.layers.setdefault(job[0], {})[job[1]] = sub
         subs.replaced_bytes += linear.weight.numel() * linear.weight.element_size()
     subs.cache_hits = cache.hits if cache else 0
     subs.built = len(jobs) - subs.cache_hits
     subs.build_seconds = time.perf_counter() - start
     # Substitutes live on the device only: SubSpec adds no host memory to plain offloading.
-    stray = [s.source_name for subs_i in subs.layers.values() for s in subs_i.values()
+    every = [s for subs_i in subs.layers.values() for s in subs_i.values()]
+    every += [subs.lm_head] if subs.lm_head is not None else []
+    stray = [s.source_name for s in every
              if any(t.device.type != device.type for t in s.tensors())]
     if stray:
         raise RuntimeError(f"vllm-subspec: substitutes not on {device}: {stray}")
@@ -222,6 +243,7 @@ class DraftModel(nn.Module):
             for i, layer in enumerate(base)
         ]
         self.substituted = sorted(substitutes.layers)
+        self.__dict__["lm_head"] = substitutes.lm_head
 
     def embed_input_ids(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.target.embed_input_ids(input_ids)
@@ -237,4 +259,15 @@ class DraftModel(nn.Module):
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden_states)
+        """The draft's logits: through its quantized lm_head when it has one, finished as
+        vLLM's LogitsProcessor.forward finishes the target's (logits_processor.py 0.32.0:
+        vocabulary padding cut, soft cap, scale); else the target's own."""
+        if self.lm_head is None:
+            return self.target.compute_logits(hidden_states)
+        lp = self.target.logits_processor
+        logits = self.lm_head(hidden_states)[0][..., : lp.org_vocab_size]
+        if lp.soft_cap is not None:
+            logits = torch.tanh(logits / lp.soft_cap) * lp.soft_cap
+        if lp.scale != 1.0:
+            logits = logits * lp.scale
+        return logits

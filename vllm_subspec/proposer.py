@@ -36,6 +36,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm_subspec.config import options_from_vllm_config
 from vllm_subspec.draft_model import DraftModel, SubstituteSet, decoder_layers
 from vllm_subspec.prefetch_overlap import PrefetchOverlap
+from vllm_subspec.shape_tuner import ShapeTuner
 from vllm_subspec.tree import TreeBatch, TreeShape, sharpened_log_probs
 from vllm_subspec.tree_attention import TreeMask, TreePlan, TreeRows, logical_to_slots
 from vllm_subspec.verify import TreeStep
@@ -52,10 +53,16 @@ class SubSpecProposer(DraftModelProposer):
         # the tree rows of the forward in progress (draft or verify), read by the attention layers
         self.tree_mask = TreeMask()
         # the verify side of a tree step; the runner uses it as its rejection sampler
-        self.tree_step = TreeStep(runner, self.tree_shape, self.tree_mask) \
+        # auto shapes: the tuner picks each step's width and depth from measured costs
+        self.tuner = ShapeTuner(self.options.widths, self.options.tree_depth,
+                                self.options.auto_width, self.options.auto_depth) \
+            if self.options.is_auto and self.options.is_tree else None
+        self.tree_step = TreeStep(runner, self.tree_mask, self.tuner) \
             if self.options.is_tree else None
         self.draft_seconds = 0.0  # wall time spent drafting (benchmarks read it over RPC)
         self.draft_calls = 0
+        self.draft_passes = 0  # draft forwards (benchmarks: passes per emitted token)
+        self._last_draft_end: float | None = None  # for the tuner's "rest of a step" time
         self.prefetch_overlap: PrefetchOverlap | None = None  # set in load_model
 
     # ---- loading -------------------------------------------------------------------------
@@ -89,7 +96,7 @@ class SubSpecProposer(DraftModelProposer):
             self.tree_step.kv_caches = self._kv_caches
         if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now
             substitutes.warm_up(self.vllm_config.scheduler_config.max_num_seqs,
-                                self.options.tree_width, self.vllm_config.model_config.dtype,
+                                self.options.widths, self.vllm_config.model_config.dtype,
                                 self.device)
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
@@ -140,9 +147,19 @@ class SubSpecProposer(DraftModelProposer):
             drafts = self.draft_tree(cad, last_verified, next_token_ids)
         else:
             drafts = self.draft_chain(cad, last_verified, next_token_ids, num_speculative_tokens)
-        if drafts.is_cuda:  # the compute stream only: the offloader's copy stream keeps going
+        if torch.is_tensor(drafts) and drafts.is_cuda:
+            # the compute stream only: the offloader's copy stream keeps going
             torch.cuda.current_stream().synchronize()
-        self.draft_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        verify_seconds = self.tree_step.take_verify_seconds() if self.tree_step else None
+        if self.tuner is not None and self._last_draft_end is not None and verify_seconds:
+            # the rest of a step: from the end of the last draft to this one, less the verify
+            # (not across an idle engine: the gap must be a step's, not a pause's)
+            other = start - self._last_draft_end - verify_seconds
+            if other < 4 * (verify_seconds + end - start):
+                self.tuner.observe_other(other)
+        self._last_draft_end = end
+        self.draft_seconds += end - start
         self.draft_calls += 1
         return drafts
 
@@ -179,6 +196,7 @@ class SubSpecProposer(DraftModelProposer):
     def _forward_logits(self, cad, input_ids: torch.Tensor, draft_index: int) -> torch.Tensor:
         """One draft forward over cad's tokens (positions already in self.positions)."""
         num_tokens = cad.num_actual_tokens
+        self.draft_passes += 1
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=draft_index)
         self.input_ids[:num_tokens] = input_ids
@@ -206,23 +224,39 @@ class SubSpecProposer(DraftModelProposer):
             drafts.append(input_ids)
         return torch.stack(drafts, dim=1)
 
-    def draft_tree(self, cad, last_verified, next_token_ids) -> torch.Tensor:
-        shape, k = self.tree_shape, self.tree_shape.width
+    def draft_tree(self, cad, last_verified, next_token_ids) -> torch.Tensor | list[list[int]]:
+        """Draft this step's trees: the root pass, then one pass per depth over the k frontier
+        nodes. A fixed shape drafts every depth and returns [B, k*D] tokens. An auto shape asks
+        the tuner for (k, D_max), stops when one more depth no longer pays (checked every
+        `check_every` depths: each check reads the masses on the host) and returns each
+        request's tokens down to the depth worth verifying (lists; vLLM schedules what it gets).
+        """
         batch_size = cad.batch_size()
-        temperature = self.options.draft_temperature
+        tuner = self.tuner
+        plan = tuner.plan_step(batch_size) if tuner is not None else None
+        shape = plan.shape if plan is not None else self.tree_shape
+        k, temperature = shape.width, self.options.draft_temperature
+        adaptive = plan is not None and plan.adaptive and not plan.full_depth
+        check_every = 4 if cad.seq_lens.is_cuda else 1  # a check syncs with the device
+        start = time.perf_counter()
         root_pos = self._advance_one(last_verified, cad).clone()  # the bonus token: L
         roots = root_pos.tolist()  # host copies, read once per step (not per depth)
         logits = self._forward_logits(cad, next_token_ids, 0)
         tree = TreeBatch(shape, next_token_ids.to(torch.int64))
         tree.grow(sharpened_log_probs(logits, temperature))
+        root_seconds = time.perf_counter() - start if not logits.is_cuda else None
         dev = root_pos.device
         arange_k = torch.arange(k, device=dev)
         block_table = cad.block_table_tensor[:batch_size]
         for d in range(1, shape.depth):
+            if adaptive and d % check_every == 0 and not tuner.keep_drafting(
+                    tree.log_mass[:, : d + 1].cpu(), k):
+                break
             level = shape.level(d)
             # stop before any node of the next level would pass max_model_len
             if max(roots) + (d + 1) * k >= self.max_model_len:
-                tree.truncate()
+                if plan is None:
+                    tree.truncate()
                 break
             logical = root_pos[:, None] + level.start + arange_k  # node slots L + i
             slots = logical_to_slots(block_table, logical, self.block_size)
@@ -240,13 +274,21 @@ class SubSpecProposer(DraftModelProposer):
                 slot_mapping=slots.reshape(-1),
                 seq_lens_cpu_upper_bound=None,
             )
-            plan = TreePlan([TreeRows(i, i * k, roots[i], tree.mask[i, level, : level.stop])
-                             for i in range(batch_size)])
-            with self.tree_mask.active(plan):
+            plan_rows = TreePlan([TreeRows(i, i * k, roots[i], tree.mask[i, level, : level.stop])
+                                  for i in range(batch_size)])
+            with self.tree_mask.active(plan_rows):
                 logits = self._forward_logits(step_cad, tree.frontier_tokens().reshape(-1), d)
             tree.grow(sharpened_log_probs(logits, temperature).view(batch_size, k, -1))
         self.tree_step.store(self.runner.input_batch.req_ids[:batch_size], tree)
-        return tree.tokens[:, 1:]
+        if plan is None:
+            return tree.tokens[:, 1:]
+        log_mass = tree.log_mass[:, : tree.grown + 1].cpu()
+        if logits.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        tuner.observe_draft(k, batch_size, tree.grown, time.perf_counter() - start, root_seconds)
+        depths = tuner.verify_depths(log_mass, k)
+        tokens = tree.tokens[:, 1:].tolist()
+        return [row[: k * d] for row, d in zip(tokens, depths)]
 
     def _kv_caches(self) -> list[tuple[object, torch.Tensor]]:
         """(attention impl, per-layer KV cache) of every decoder layer: the impl picks the

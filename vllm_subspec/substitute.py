@@ -46,17 +46,37 @@ class QuantizedWeight:
         return w.view(n, k).to(dtype)
 
 
+# Rows are quantized in blocks of at most this many weights: HQQ's solver holds about ten fp32
+# copies of what it solves, so a whole 151936 x 1536 lm_head would need ~10 GB.
+QUANTIZE_BLOCK_ELEMENTS = 1 << 25
+
+
 def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 64, method: str = "hqq"):
     """Quantize a [N, K] weight with HQQ (axis=1, i.e. groups of consecutive input elements).
 
     `method="hqq"` runs HQQ's proximal solver (refines the zero point); `"rtn"` is plain
     min/max round-to-nearest. The input is not modified and no full-precision copy is kept.
+    Groups never span rows, so a large weight is solved in blocks of rows (each block's solver
+    stops on its own error, so a blocked HQQ solve can differ slightly from a whole one).
     """
-    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
-
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
+    rows = max(1, QUANTIZE_BLOCK_ELEMENTS // k)
+    if n <= rows:
+        return _quantize_block(weight, bits, group_size, method)
+    parts = [_quantize_block(weight[i: i + rows], bits, group_size, method)
+             for i in range(0, n, rows)]
+    return QuantizedWeight(codes=torch.cat([p.codes for p in parts]),
+                           scale=torch.cat([p.scale for p in parts]),
+                           zero=torch.cat([p.zero for p in parts]),
+                           bits=bits, group_size=group_size)
+
+
+def _quantize_block(weight: torch.Tensor, bits: int, group_size: int, method: str):
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+    n, k = weight.shape
     cfg = BaseQuantizeConfig(nbits=bits, group_size=group_size, axis=1)
     cfg["weight_quant_params"]["optimize"] = method == "hqq"
     # HQQ's solver runs in the compute dtype on CUDA and fp32 on CPU.

@@ -8,7 +8,8 @@ slots are not positions. Depth-D nodes are produced by the draft but never forwa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,8 +37,10 @@ class TreeBatch:
     """The trees of a batch of requests, grown one depth at a time on the device.
 
     tokens [B, n], parents [B, n] (root: -1), log-scores [B, n] (sum of log q along the path,
-    fp32: the product of 48 probabilities underflows in fp16), and the ancestor-or-self mask
-    [B, n, n] kept incrementally (a node copies its parent's row and adds itself).
+    fp32: the product of 48 probabilities underflows in fp16), the ancestor-or-self mask
+    [B, n, n] kept incrementally (a node copies its parent's row and adds itself), and the log
+    frontier mass [B, D + 1]: log of the summed path probability of the nodes kept at each depth
+    (depth 0, the root: 0), the draft's belief that the accepted path gets that deep.
     """
 
     def __init__(self, shape: TreeShape, root_tokens: torch.Tensor):
@@ -50,6 +53,8 @@ class TreeBatch:
         self.scores = torch.zeros(b, n, dtype=torch.float32, device=dev)
         self.mask = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
         self.mask[:, 0, 0] = True
+        self.log_mass = torch.full((b, shape.depth + 1), -math.inf, device=dev)
+        self.log_mass[:, 0] = 0.0
         self.grown = 0  # depths filled so far
 
     def grow(self, log_q: torch.Tensor) -> None:
@@ -76,6 +81,7 @@ class TreeBatch:
         self.tokens[:, level] = flat % vocab
         self.parents[:, level] = parent
         self.scores[:, level] = top
+        self.log_mass[:, d] = torch.logsumexp(top, dim=-1)
         rows = self.mask.gather(1, parent.unsqueeze(-1).expand(-1, -1, self.shape.num_nodes))
         ids = torch.arange(level.start, level.stop, device=log_q.device)
         rows[:, torch.arange(k), ids] = True
@@ -127,6 +133,8 @@ class StoredTree:
     tokens: list[int]
     parents: list[int]
     mask: torch.Tensor  # [n, n] ancestor-or-self
+    width: int = 1  # k: nodes per depth (1 for a chain)
+    level_log_mass: list[float] = field(default_factory=list)  # TreeBatch.log_mass, per depth
 
     def depths(self) -> list[int]:
         """Each node's depth (root 0); parents precede their children."""

@@ -277,16 +277,21 @@ def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: Tr
     q_len, m = rows.tree_mask.shape
     dev = query.device
     q = query[rows.q_start: rows.q_start + q_len].float()  # [q_len, heads, d]
-    groups = q.shape[1] // layout.kv_heads
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = layout.kv_heads
+    groups = heads // kv_heads  # query head h reads KV head h // groups
+    # grouped, not repeated: each KV head's keys serve its `groups` query heads in one matmul
+    q = q.view(q_len, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(kv_heads, -1, d)
     logical = torch.arange(rows.prefix_len + m, device=dev)
     k, v = layout.gather(logical_to_slots(block_table, logical, layout.block_size))
-    k = k.float().repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, L + m, d]
-    v = v.float().repeat_interleave(groups, dim=1).transpose(0, 1)
-    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [heads, q_len, L+m]
-    hidden = ~rows.tree_mask.to(dev)
+    k = k.float().transpose(0, 1)  # [kv_heads, L + m, d]
+    v = v.float().transpose(0, 1)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [kv_heads, groups * q_len, L + m]
+    hidden = (~rows.tree_mask.to(dev)).repeat(groups, 1)  # [groups * q_len, m]
     scores[:, :, rows.prefix_len:].masked_fill_(hidden.unsqueeze(0), float("-inf"))
-    out = torch.matmul(scores.softmax(-1), v)  # [heads, q_len, d]
-    return out.transpose(0, 1).to(query.dtype)
+    out = torch.matmul(scores.softmax(-1), v)  # [kv_heads, groups * q_len, d]
+    out = out.view(kv_heads, groups, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
+    return out.to(query.dtype)
 
 
 def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) -> None:

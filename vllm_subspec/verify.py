@@ -34,6 +34,7 @@ bookkeeping, scheduler and spec-decode metrics work unchanged (τ = emitted toke
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,10 +67,12 @@ def chain_tree(draft_token_ids: list[int]) -> StoredTree:
 
 
 class TreeStep:
-    def __init__(self, runner, shape: TreeShape, mask: TreeMask):
+    def __init__(self, runner, mask: TreeMask, tuner=None):
         self.runner = runner
-        self.shape = shape
         self.mask = mask  # shared with the target's attention layers (attached at load)
+        self.tuner = tuner  # shape_tuner.ShapeTuner of an auto shape: told costs and outcomes
+        self._verify_start: float | None = None
+        self.verify_seconds: float | None = None  # the last tree verify: forward to walk
         self.drafted: dict[str, StoredTree] = {}  # stored by the proposer, not yet verified
         self.verifying: dict[str, VerifiedTree] = {}  # this step's trees
         self.plan: TreePlan | None = None  # this step's verify rows, until the forward
@@ -79,7 +82,9 @@ class TreeStep:
     # ---- 1. after drafting ---------------------------------------------------------------
     def store(self, req_ids: list[str], tree: TreeBatch) -> None:
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        self.drafted = {rid: StoredTree(tokens[i], parents[i], tree.mask[i])
+        log_mass = tree.log_mass.tolist()
+        self.drafted = {rid: StoredTree(tokens[i], parents[i], tree.mask[i], tree.shape.width,
+                                        log_mass[i][: tree.grown + 1])
                         for i, rid in enumerate(req_ids)}
 
     # ---- 2. verify inputs ----------------------------------------------------------------
@@ -90,7 +95,6 @@ class TreeStep:
         if not spec:
             return
         runner, batch = self.runner, self.runner.input_batch
-        depths = self.shape.depths()
         rows = []
         for i, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
             scheduled = spec.get(req_id, ())
@@ -103,6 +107,7 @@ class TreeStep:
                 self.verifying[req_id] = VerifiedTree(chain_tree(scheduled), root, i, False)
                 continue
             q0 = int(runner.query_start_loc.np[i])
+            depths = TreeShape(stored.width, n // stored.width + 1).depths()  # this step's k
             runner.positions[q0 + 1: q0 + 1 + n] = (root + depths[1: n + 1]).to(
                 runner.positions.device)
             rows.append(TreeRows(i, q0, root, stored.mask[: n + 1, : n + 1]))
@@ -113,8 +118,14 @@ class TreeStep:
     @contextlib.contextmanager
     def verify_forward(self):
         plan, self.plan = self.plan, None  # the plan belongs to exactly one forward
+        self._verify_start = time.perf_counter() if plan is not None else None
         with self.mask.active(plan):
             yield
+
+    def take_verify_seconds(self) -> float | None:
+        """The last tree verify's time (forward, sampling, walk), once."""
+        seconds, self.verify_seconds = self.verify_seconds, None
+        return seconds
 
     # ---- 4. walk, emit, compact ----------------------------------------------------------
     def __call__(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
@@ -149,6 +160,13 @@ class TreeStep:
             start += n + 1
             if v is not None and v.compact and path != list(range(1, len(path) + 1)):
                 moves.append((v.req_index, v.root, path))
+            if self.tuner is not None and v is not None and v.compact:
+                self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, len(path),
+                                        n // v.tree.width)
+        if self.tuner is not None and self._verify_start is not None:
+            self.verify_seconds = time.perf_counter() - self._verify_start
+            self.tuner.observe_verify(start, self.verify_seconds)
+        self._verify_start = None
         self.verifying = {}
         self._compact(moves)
         logprobs = None

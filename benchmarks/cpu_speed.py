@@ -1,0 +1,240 @@
+"""What a CPU user gets: plain, vLLM ngram/suffix, SubSpec fixed shapes and SubSpec auto on
+vLLM's CPU backend, greedy, bf16, one request at a time and 8 concurrent requests.
+
+Prompts: mixed chat, code and math (MT-Bench first turns, a round robin over its categories:
+writing, roleplay, reasoning, math, coding, extraction, stem, humanities). Each method gets its
+own engine, warmed up on one prompt; then the prompts one at a time (tokens/s, τ, draft passes
+per emitted token), then the same prompts 8 at a time (total tokens/s). Every output is compared
+with plain decoding's in the same mode. SubSpec configs are given exactly as a user types them
+(`{"method": "subspec"}` is the auto default). Writes benchmarks/results/<name>.{json,md,png}.
+
+    python benchmarks/cpu_speed.py --model smollm2 --name cpu_speed_smollm2
+    python benchmarks/cpu_speed.py --model qwen-coder-1.5b --name cpu_speed_qwen --prompts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
+
+from depth_sweep import RESULTS, environment, kv_kwargs, model_path  # noqa: E402
+
+METHODS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 2},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 16},
+    "subspec chain:4": {"method": "subspec", "num_speculative_tokens": 4},
+    "subspec chain:8": {"method": "subspec", "num_speculative_tokens": 8},
+    "subspec tree:6x16": {"method": "subspec", "tree_width": 6, "tree_depth": 16},
+    "subspec auto": {"method": "subspec"},
+}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--name", default="cpu_speed")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--kv-cache-gb", type=float, default=None)
+    ap.add_argument("--append", action="store_true",
+                    help="run --methods into an existing results/<name>.json (its plain run "
+                    "is the identity baseline), replacing runs of the same name")
+    ap.add_argument("--markdown-only", action="store_true",
+                    help="rewrite results/<name>.{md,png} from results/<name>.json")
+    return ap.parse_args()
+
+
+def mixed_prompts(n: int) -> list[str]:
+    """First turns, one category after another (chat, code and math mixed)."""
+    from subspec_testing.assets import mt_bench_questions
+
+    by_category: dict[str, list[str]] = {}
+    for q in mt_bench_questions():
+        by_category.setdefault(q["category"], []).append(q["turns"][0])
+    rounds = max(len(v) for v in by_category.values())
+    mixed = [qs[i] for i in range(rounds) for qs in by_category.values() if i < len(qs)]
+    return mixed[:n]
+
+
+def _drafter_counters(worker):
+    drafter = getattr(worker.model_runner, "drafter", None)
+    tuner = getattr(drafter, "tuner", None)
+    return {"draft_passes": getattr(drafter, "draft_passes", 0),
+            "draft_seconds": getattr(drafter, "draft_seconds", 0.0),
+            "shape": None if tuner is None else [tuner.width, tuner.depth]}
+
+
+def run_method(model: str, spec: dict | None, prompts: list[str], max_tokens: int,
+               concurrency: int, engine_kwargs: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine, timed_generate
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    llm = LLM(model=model, speculative_config=spec, enforce_eager=True,
+              max_num_batched_tokens=16384, **CPU_ENGINE_KWARGS, **engine_kwargs)
+    start_s = time.perf_counter() - t0
+    is_subspec = bool(spec) and spec["method"] == "subspec"
+    counters = (lambda: llm.collective_rpc(_drafter_counters)[0]) if is_subspec else \
+        (lambda: {"draft_passes": 0, "draft_seconds": 0.0, "shape": None})
+    try:
+        timed_generate(llm, prompts[:1], params, spec=bool(spec))  # warm-up
+        before = counters()
+        single = timed_generate(llm, prompts, params, spec=bool(spec), one_at_a_time=True)
+        after = counters()
+        concurrent = [timed_generate(llm, prompts[i: i + concurrency], params, spec=bool(spec))
+                      for i in range(0, len(prompts), concurrency)]
+        final = counters()
+    finally:
+        shutdown_engine(llm)
+    emitted = single.num_tokens
+    c_tokens = sum(r.num_tokens for r in concurrent)
+    c_seconds = sum(r.seconds for r in concurrent)
+    c_stats = concurrent[0].stats
+    for r in concurrent[1:]:
+        c_stats = c_stats + r.stats
+    return {
+        "start_seconds": start_s,
+        "single": {"tokens": emitted, "seconds": single.seconds,
+                   "tokens_per_second": single.tokens_per_second,
+                   "tau": single.stats.tau if spec else 1.0,
+                   "draft_passes_per_token": (after["draft_passes"] - before["draft_passes"])
+                   / max(emitted, 1),
+                   "draft_seconds": after["draft_seconds"] - before["draft_seconds"],
+                   "token_ids": single.token_ids},
+        "concurrent": {"tokens": c_tokens, "seconds": c_seconds,
+                       "tokens_per_second": c_tokens / c_seconds,
+                       "tau": c_stats.tau if spec else 1.0,
+                       "token_ids": [t for r in concurrent for t in r.token_ids]},
+        "final_shape": final["shape"],
+    }
+
+
+def suffix_available() -> bool:
+    try:
+        import arctic_inference  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def markdown(report: dict) -> str:
+    runs = report["runs"]
+    plain = runs.get("plain")
+    lines = [f"# CPU speed: {Path(report['model']).name} (vLLM CPU backend, greedy, "
+             f"{report['dtype']})", "",
+             f"Command: `{report['command']}`", "",
+             f"{report['prompts']} mixed MT-Bench first turns (chat, code, math), <= "
+             f"{report['max_tokens']} new tokens each; one request at a time, then "
+             f"{report['concurrency']} concurrent. SubSpec configs exactly as typed (every layer "
+             "4-bit HQQ g64 by default on CPU; `{\"method\": \"subspec\"}` = auto shape).", "",
+             "| method | tok/s (1 at a time) | vs plain | vs ngram | τ | draft passes / token "
+             f"| identical | tok/s ({report['concurrency']} concurrent) | vs plain | identical "
+             "| engine start s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ngram = runs.get("ngram")
+    for name, r in runs.items():
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} |" + " |" * 9)
+            continue
+        s, c = r["single"], r["concurrent"]
+        vs = (lambda x, base: f"{x / base:.2f}x" if base else "-")
+        lines.append(
+            f"| {name} | {s['tokens_per_second']:.2f} | "
+            f"{vs(s['tokens_per_second'], plain and plain['single']['tokens_per_second'])} | "
+            f"{vs(s['tokens_per_second'], ngram and ngram['single']['tokens_per_second'])} | "
+            f"{s['tau']:.2f} | {s['draft_passes_per_token']:.2f} | {r.get('identical_single', '-')} | "
+            f"{c['tokens_per_second']:.2f} | "
+            f"{vs(c['tokens_per_second'], plain and plain['concurrent']['tokens_per_second'])} | "
+            f"{r.get('identical_concurrent', '-')} | {r['start_seconds']:.0f} |")
+    env = report["environment"]
+    lines += ["", f"Machine: {env['cpu']}, {env['cores']} cores (the engine's worker is bound to "
+              f"one); torch {env['torch']}, vLLM {env['vllm']}; {env['date']}.", "",
+              "- τ: tokens per verify step (vLLM's spec-decode metrics). Draft passes / token: "
+              "SubSpec forward passes of the draft per emitted token.",
+              "- identical: outputs equal to plain decoding's in the same mode. On CPU in bf16, a "
+              "one-row decode (M=1) and a multi-row verify round differently, so a difference "
+              "can be a numerical near-tie of the target (docs/losslessness.md); the fp32 "
+              "tests assert exact identity.",
+              ]
+    if report.get("auto_shapes"):
+        lines.append(f"- Shape the auto tuner had chosen at the end: {report['auto_shapes']} "
+                     "(width, max depth).")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    from plots import _pyplot
+
+    plt = _pyplot()
+    runs = {k: v for k, v in report["runs"].items() if "skipped" not in v}
+    names = list(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, mode, title in ((axes[0], "single", "one request at a time"),
+                            (axes[1], "concurrent", f"{report['concurrency']} concurrent")):
+        ax.bar(range(len(names)), [runs[n][mode]["tokens_per_second"] for n in names],
+               color=["#888" if not n.startswith("subspec") else "#3a7" for n in names])
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{Path(report['model']).name}: {title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    args = parse_args()
+    out = RESULTS / args.name
+    if args.markdown_only:
+        report = json.loads(out.with_suffix(".json").read_text())
+    else:
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable rpc
+        from subspec_testing.assets import chat_prompts
+        from subspec_testing.harness import count_identical
+
+        model = model_path(args.model)
+        prompts = chat_prompts(model, mixed_prompts(args.prompts))
+        report = {"command": "python " + " ".join(sys.argv), "model": model,
+                  "dtype": "bfloat16", "prompts": len(prompts), "max_tokens": args.max_tokens,
+                  "concurrency": args.concurrency, "environment": environment(), "runs": {}}
+        if args.append:
+            old = json.loads(out.with_suffix(".json").read_text())
+            if (old["model"], old["prompts"], old["max_tokens"]) != (model, len(prompts),
+                                                                     args.max_tokens):
+                raise SystemExit(f"--append: {out}.json has another workload")
+            old["command"] += " && " + report["command"]
+            report = old
+        for name in args.methods:
+            if name == "suffix" and not suffix_available():
+                report["runs"][name] = {"skipped": "arctic-inference is not installed"}
+                continue
+            print(f"[cpu_speed] {name}", flush=True)
+            r = run_method(model, METHODS[name], prompts, args.max_tokens, args.concurrency,
+                           kv_kwargs(args))
+            report["runs"][name] = r
+            base = report["runs"].get("plain")
+            if base and name != "plain":
+                for mode in ("single", "concurrent"):
+                    same = count_identical(r[mode]["token_ids"], base[mode]["token_ids"])
+                    r[f"identical_{mode}"] = f"{same}/{len(prompts)}"
+            if name == "subspec auto":
+                report["auto_shapes"] = r["final_shape"]
+            out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(report) + f"\n![speed]({out.name}.png)\n")
+    plot(report, out.with_suffix(".png"))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

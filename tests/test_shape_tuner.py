@@ -1,0 +1,226 @@
+"""The auto tree shape and adaptive depth (shape_tuner.py), on synthetic costs and acceptance.
+
+A simulated "world" gives each draft pass and verify a cost and each tree depth a true chance
+of being accepted (the draft's beliefs are noisy copies of it); the tuner sees only what the
+engine would measure. Nothing here touches outputs: the tuner only decides how much to draft.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from vllm_subspec.shape_tuner import (
+    EXPLORE_STEPS,
+    LinearCost,
+    MassCalibration,
+    ShapeTuner,
+    WidthAcceptance,
+)
+
+
+def test_linear_cost_fits_intercept_and_slope():
+    cost = LinearCost()
+    for rows in (1, 6, 12, 36, 1, 6):
+        cost.add(rows, 0.05 + 0.002 * rows)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.05, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)
+    assert cost(100) == pytest.approx(0.25, rel=1e-6)
+
+
+def test_linear_cost_with_one_row_count_is_proportional_and_never_negative():
+    cost = LinearCost()
+    for _ in range(3):
+        cost.add(8, 0.4)
+    assert cost.coefficients() == pytest.approx((0.0, 0.05))
+    constant = LinearCost()  # a cost without rows (the rest of a step): its mean
+    for seconds in (0.04, 0.06):
+        constant.add(0, seconds)
+    assert constant(0) == pytest.approx(0.05, rel=0.01)  # a weighted mean
+    falling = LinearCost()
+    for rows, s in ((1, 0.5), (10, 0.4), (20, 0.3)):  # noise can suggest a negative slope
+        falling.add(rows, s)
+    a, b = falling.coefficients()
+    assert a >= 0 and b >= 0
+
+
+def test_linear_cost_follows_a_change():
+    cost = LinearCost()
+    for _ in range(50):
+        cost.add(6, 0.1)
+    for _ in range(300):
+        cost.add(6, 0.2)
+    assert cost(6) == pytest.approx(0.2, rel=0.01)
+
+
+def test_mass_calibration_starts_at_the_drafts_belief_and_learns_the_truth():
+    cal = MassCalibration(decay=1.0)  # every observation counts: a stationary truth
+    masses = torch.tensor([1e-4, 1e-2, 0.3, 0.9])
+    prior = cal.predict(masses)
+    assert torch.allclose(prior, masses)  # with no data: the draft's own belief
+    rng = random.Random(0)
+    for _ in range(400):  # the truth: half of what the (overconfident) draft believes
+        m = torch.tensor([10 ** rng.uniform(-3, 0) for _ in range(16)])
+        cal.add(m, torch.rand(16, generator=torch.Generator().manual_seed(rng.randrange(9**9)))
+                < 0.5 * m)
+    learned = cal.predict(torch.tensor([0.01, 0.1, 0.5, 0.9]))
+    assert torch.allclose(learned, torch.tensor([0.005, 0.05, 0.25, 0.45]), rtol=0.1, atol=0.004)
+
+
+def test_width_acceptance_does_not_count_unverified_depths_as_rejected():
+    acc = WidthAcceptance(max_depth=8, decay=1.0)
+    for _ in range(10):
+        acc.add(accepted=3, verified_depth=3)  # all verified depths accepted, then cut short
+    acc.add(accepted=1, verified_depth=8)  # rejected at depth 2
+    reach = acc.reach()
+    # depths 1 and 2 had 11 chances, depth 3 had 10; no tree was rejected there: reach stays high
+    assert reach[0] > 0.9 and reach[2] > 0.8
+    # depth 2's one rejection is counted; depth 4+ (never verified after depth 3's acceptance
+    # but by the rejected tree, whose walk had stopped) continue at the deepest seen rate
+    assert acc.trials[3] == 0 and reach[4] < reach[3] < reach[2]
+
+
+class World:
+    """Costs (seconds) and true acceptance of a tree step. Each depth of a width-k tree is
+    accepted with probability `cont[k]` given the one before; the draft believes a noisy copy."""
+
+    def __init__(self, cont, pass_cost=(0.05, 0.002), verify_cost=(0.10, 0.004), other=0.01,
+                 seed=0):
+        self.cont, self.pass_cost, self.verify_cost, self.other = cont, pass_cost, verify_cost, other
+        self.rng = random.Random(seed)
+
+    def t_pass(self, rows):
+        return self.pass_cost[0] + self.pass_cost[1] * rows
+
+    def t_verify(self, rows):
+        return self.verify_cost[0] + self.verify_cost[1] * rows
+
+    def step(self, tuner: ShapeTuner, batch_size: int):
+        """One engine step driven by the tuner; returns (tokens, seconds, passes)."""
+        plan = tuner.plan_step(batch_size)
+        k, depth_max = plan.shape.width, plan.shape.depth
+        c = self.cont[k]
+        log_mass = torch.zeros(batch_size, depth_max + 1)
+        belief = [[min(0.999, max(0.01, c + self.rng.gauss(0, 0.05))) for _ in range(depth_max)]
+                  for _ in range(batch_size)]
+        d = 1
+        log_mass[:, 1] = torch.tensor([math.log(b[0]) for b in belief])
+        while d < depth_max:
+            if plan.adaptive and not plan.full_depth and not tuner.keep_drafting(
+                    log_mass[:, : d + 1], k):
+                break
+            log_mass[:, d + 1] = log_mass[:, d] + torch.tensor(
+                [math.log(b[d]) for b in belief])
+            d += 1
+        draft_s = self.t_pass(batch_size) + (d - 1) * self.t_pass(batch_size * k)
+        tuner.observe_draft(k, batch_size, d, draft_s, self.t_pass(batch_size))
+        depths = tuner.verify_depths(log_mass[:, : d + 1], k)
+        rows = sum(1 + k * v for v in depths)
+        verify_s = self.t_verify(rows)
+        tuner.observe_verify(rows, verify_s)
+        tuner.observe_other(self.other)
+        tokens = 0
+        for i, v in enumerate(depths):
+            accepted = 0
+            while accepted < v and self.rng.random() < c:
+                accepted += 1
+            tokens += accepted + 1
+            tuner.observe_tree(k, log_mass[i, : d + 1].tolist(), accepted, v)
+        return tokens, draft_s + verify_s + self.other, d
+
+    def fixed_rate(self, k, depth, batch_size):
+        """Expected tokens/s of fixed (k, depth) steps."""
+        c = self.cont[k]
+        tokens = batch_size * (1 + sum(c ** j for j in range(1, depth + 1)))
+        seconds = (self.t_pass(batch_size) + (depth - 1) * self.t_pass(batch_size * k)
+                   + self.t_verify(batch_size * (1 + k * depth)) + self.other)
+        return tokens / seconds
+
+
+def run(world, tuner, steps, batch_size=1):
+    tokens = seconds = passes = 0
+    for _ in range(steps):
+        t, s, d = world.step(tuner, batch_size)
+        tokens, seconds, passes = tokens + t, seconds + s, passes + d
+    return tokens / seconds, tokens, passes
+
+
+@pytest.mark.parametrize("cont, batch_size", [
+    ({1: 0.80, 2: 0.86, 4: 0.90, 6: 0.92}, 1),   # a good draft: deep trees pay
+    ({1: 0.55, 2: 0.62, 4: 0.68, 6: 0.70}, 1),   # a weak draft: short and narrow
+    ({1: 0.80, 2: 0.86, 4: 0.90, 6: 0.92}, 4),   # a batch: wider rows cost more
+])
+def test_auto_shape_reaches_the_best_fixed_shape(cont, batch_size):
+    world = World(cont, seed=1)
+    tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+    run(world, tuner, 300, batch_size)  # warm: explores, measures, calibrates
+    rate, _, _ = run(world, tuner, 400, batch_size)
+    best = max(world.fixed_rate(k, d, batch_size) for k in cont for d in range(1, 33))
+    assert rate >= 0.9 * best, (rate, best, tuner.describe())
+    # and it is far from the worst shapes a fixed default could be
+    assert rate > 1.3 * min(world.fixed_rate(k, d, batch_size) for k in cont for d in (1, 32))
+
+
+def test_every_width_is_explored_first_widest_first():
+    world = World({1: 0.8, 2: 0.85, 4: 0.9, 6: 0.9})
+    tuner = ShapeTuner((1, 2, 4, 6), 16, auto_width=True, auto_depth=True)
+    widths = []
+    for _ in range(4 * EXPLORE_STEPS):
+        widths.append(tuner.plan_step(1).shape.width)
+        tuner.observe_tree(widths[-1], [0.0] * 17, 3, 16)
+    assert widths == [6] * EXPLORE_STEPS + [4] * EXPLORE_STEPS + [2] * EXPLORE_STEPS + \
+        [1] * EXPLORE_STEPS
+    assert world  # the world is not needed to explore
+
+
+def test_fixed_values_are_never_changed():
+    world = World({6: 0.9})
+    tuner = ShapeTuner((6,), 16, auto_width=False, auto_depth=False)
+    for _ in range(100):
+        plan = tuner.plan_step(1)
+        assert (plan.shape.width, plan.shape.depth, plan.adaptive) == (6, 16, False)
+    assert world.cont
+
+
+def test_adaptive_depth_drafts_fewer_passes_for_the_same_tokens():
+    """Depth adapted within steps vs the same width always at D_max (k=6, D=48) where verify
+    rows are free: far fewer draft passes, most of the tokens per step, a faster step rate
+    close to the best fixed depth's. (Here every depth continues with the same 0.9, a harsher
+    tail than real trees, whose deep nodes continue more often once reached.)"""
+    cont = {6: 0.9}
+
+    def gpu_like(seed):  # offloading: a verify streams the weights, rows are ~free
+        return World(cont, pass_cost=(0.011, 0.0), verify_cost=(0.6, 0.0), seed=seed)
+
+    fixed = ShapeTuner((6,), 48, auto_width=False, auto_depth=False)
+    adaptive = ShapeTuner((6,), 48, auto_width=False, auto_depth=True)
+    world_f, world_a = gpu_like(3), gpu_like(3)
+    run(world_a, adaptive, 200)
+    rate_f, tok_f, passes_f = run(world_f, fixed, 400)
+    rate_a, tok_a, passes_a = run(world_a, adaptive, 400)
+    assert passes_a <= 0.5 * passes_f
+    assert tok_a >= 0.8 * tok_f
+    assert rate_a >= 1.1 * rate_f
+    assert rate_a >= 0.9 * max(gpu_like(0).fixed_rate(6, d, 1) for d in range(1, 49))
+
+
+def test_verify_rows_that_cost_more_than_they_yield_are_cut_on_cpu_only():
+    tuner = ShapeTuner((6,), 8, auto_width=False, auto_depth=True)
+    for _ in range(20):
+        tuner.observe_draft(6, 2, 8, 8 * 0.05, 0.05)
+        tuner.observe_other(0.01)
+    # one request whose draft is sure, one lost after depth 2 (masses e^-1, then e^-30)
+    log_mass = torch.tensor([[0.0] + [-0.01 * j for j in range(1, 9)],
+                             [0.0, -1.0, -1.0] + [-30.0] * 6])
+    # verify costs nothing per row (GPU with offload): keep every drafted depth
+    for rows in (10, 50, 100):
+        tuner.observe_verify(rows, 0.5)
+    assert tuner.verify_depths(log_mass, 6) == [8, 8]
+    # verify rows cost (CPU): the lost request's hopeless depths are not verified
+    cpu = ShapeTuner((6,), 8, auto_width=False, auto_depth=True)
+    cpu.draft_pass, cpu.other = tuner.draft_pass, tuner.other
+    for rows in (10, 50, 100):
+        cpu.observe_verify(rows, 0.01 * rows)
+    depths = cpu.verify_depths(log_mass, 6)
+    assert depths[0] == 8 and 1 <= depths[1] <= 3

@@ -1,0 +1,309 @@
+"""Auto tree shape and adaptive depth: spend draft passes only where they pay.
+
+A tree step of B requests, width k and depth d costs (the paper's Eq. 3, with vLLM's overheads)
+
+    T(d) = t_other + t_pass(B) + (d - 1) * t_pass(B * k) + t_verify(B + B * k * d)
+
+seconds (the root pass drafts depth 1 from the B bonus tokens; each later pass drafts one more
+depth from the B*k frontier nodes) and emits E(d) = sum over requests of 1 + sum_{j<=d} P(the
+walk accepts a depth-j node) tokens. Everything here only decides how much to draft: the
+target verifies whatever was drafted, so no decision can change what a request outputs.
+
+- `LinearCost`: t_pass(rows) and t_verify(rows), fitted online as a + b * rows.
+- `MassCalibration`: P(depth j accepted) from the draft's own belief, the frontier mass at depth
+  j - 1 (the summed sharpened path probability of the k nodes kept there), calibrated online
+  against what the target accepted.
+- `ShapeTuner`: per step, the width k and the deepest depth D_max (auto shape; re-chosen every
+  `RECHOOSE_EVERY` steps from per-width acceptance and the measured costs, each width explored
+  first); within a step, whether the batch drafts one more depth (`keep_drafting`: the next
+  depth's expected tokens per extra second must beat the step's rate so far) and how many
+  depths each request sends to verification (`verify_depths`: a depth whose verify rows cost
+  more than they are expected to yield is not verified; on a GPU with offloading verify rows are
+  almost free and nothing is cut).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+
+from vllm_subspec.tree import TreeShape
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
+
+DECAY = 0.98  # per observation: statistics follow the workload over the last ~50 steps
+RECHOOSE_EVERY = 16  # steps between shape choices
+EXPLORE_STEPS = 4  # verified trees of each candidate width, at full depth, before choosing
+REEXPLORE_EVERY = 8  # every n-th choice period has one step of the least-recently-run width
+FULL_DEPTH_EVERY = 16  # every n-th step drafts past D_max: observations past the usual stop
+
+
+class LinearCost:
+    """seconds = a + b * rows, fitted by exponentially weighted least squares (b >= 0, a >= 0).
+    With too little spread in rows to separate a and b, the cost is taken as proportional to
+    rows: an upper bound on the marginal cost of a row, never a negative one."""
+
+    def __init__(self, decay: float = DECAY):
+        self.decay = decay
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, rows: float, seconds: float) -> None:
+        d = self.decay
+        self.n = d * self.n + 1.0
+        self.sx = d * self.sx + rows
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + rows * rows
+        self.sxy = d * self.sxy + rows * seconds
+
+    @property
+    def known(self) -> bool:
+        return self.n > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        if not self.known:
+            return 0.0, 0.0
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var <= 1e-6 * max(mx * mx, 1.0):  # one row count seen: no slope to fit
+            return (my, 0.0) if mx < 1e-9 else (0.0, my / mx)
+        b = max((self.sxy / self.n - mx * my) / var, 0.0)
+        a = my - b * mx
+        if a < 0:  # through the origin
+            return 0.0, self.sxy / max(self.sxx, 1e-12)
+        return a, b
+
+    def __call__(self, rows: float) -> float:
+        a, b = self.coefficients()
+        return a + b * rows
+
+    def per_row(self) -> float:
+        return self.coefficients()[1]
+
+
+class MassCalibration:
+    """P(depth j accepted | frontier mass m at depth j - 1) = m * r(m), the draft's belief times
+    a correction r learned per bin of log10(m): r = accepted / summed belief over the
+    observations in the bin (one observation: one verified depth of one request).
+    Prior: r = 1 (the draft's own belief), worth PRIOR observations."""
+
+    LOG_MIN, BINS_PER_DECADE, PRIOR = -6.0, 4, 2.0
+
+    def __init__(self, decay: float = DECAY):
+        self.decay = decay
+        n = int(-self.LOG_MIN * self.BINS_PER_DECADE) + 1
+        self.centers = torch.tensor(
+            [10 ** (self.LOG_MIN + (i + 0.5) / self.BINS_PER_DECADE) for i in range(n)],
+            dtype=torch.float64).clamp(max=1.0)
+        self.hits = torch.zeros(n, dtype=torch.float64)
+        self.belief = torch.zeros(n, dtype=torch.float64)
+
+    def bins(self, mass: torch.Tensor) -> torch.Tensor:
+        lg = torch.log10(mass.double().clamp(min=10 ** self.LOG_MIN, max=1.0))
+        idx = ((lg - self.LOG_MIN) * self.BINS_PER_DECADE).floor().long()
+        return idx.clamp(0, len(self.hits) - 1)
+
+    def predict(self, mass: torch.Tensor) -> torch.Tensor:
+        """P(next depth accepted) for frontier masses [...] (CPU)."""
+        b = self.bins(mass)
+        prior = self.PRIOR * self.centers[b]
+        r = (self.hits[b] + prior) / (self.belief[b] + prior)
+        return (mass.double().clamp(0.0, 1.0) * r).clamp(max=1.0).float()
+
+    def add(self, mass: torch.Tensor, accepted: torch.Tensor) -> None:
+        """mass [n] (CPU), accepted [n] bool: one verified depth each."""
+        self.hits *= self.decay
+        self.belief *= self.decay
+        b = self.bins(mass)
+        self.belief.index_add_(0, b, mass.double().clamp(0.0, 1.0))
+        self.hits.index_add_(0, b, accepted.double())
+
+
+class WidthAcceptance:
+    """Per depth j: P(depth j accepted | depth j - 1 accepted and depth j verified), for one
+    width, so a depth cut short by adaptive stopping is not counted as rejected."""
+
+    def __init__(self, max_depth: int, decay: float = DECAY):
+        self.decay = decay
+        self.hits = torch.zeros(max_depth, dtype=torch.float64)
+        self.trials = torch.zeros(max_depth, dtype=torch.float64)
+        self.steps = 0
+
+    def add(self, accepted: int, verified_depth: int) -> None:
+        self.hits *= self.decay
+        self.trials *= self.decay
+        self.steps += 1
+        reached = min(accepted + 1, verified_depth)  # depths 1..reached had a chance
+        self.trials[:reached] += 1
+        self.hits[:accepted] += 1
+
+    def reach(self) -> torch.Tensor:
+        """[max_depth] P(accepted length >= j), j = 1..max_depth. Each depth's rate has the
+        depth before's rate as its prior, worth one observation (a tree that survived to depth j
+        is about as likely to go on as one at j - 1); depth 1's prior is 0.5."""
+        rate = torch.empty_like(self.hits)
+        prior = 0.5
+        for j in range(len(rate)):
+            prior = rate[j] = (self.hits[j] + prior) / (self.trials[j] + 1.0)
+        return torch.cumprod(rate, 0)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """This step's drafting budget."""
+
+    shape: TreeShape  # width k and the deepest depth allowed (D_max)
+    adaptive: bool  # may stop before D_max
+    full_depth: bool  # an exploration step: drafts to D_max whatever the costs say
+
+
+class ShapeTuner:
+    """Chooses each tree step's width and depth from online measurements (module docstring).
+
+    The proposer asks `plan_step` before drafting, `keep_drafting` after each depth, and
+    `verify_depths` at the end; it reports its time with `observe_draft`. The verify side reports
+    `observe_verify` (time of the target's tree pass) and `observe_tree` (what was accepted)."""
+
+    def __init__(self, widths: tuple[int, ...], max_depth: int, auto_width: bool,
+                 auto_depth: bool):
+        self.widths = widths
+        self.max_depth = max_depth
+        self.auto_width, self.auto_depth = auto_width, auto_depth
+        self.draft_pass = {w: LinearCost() for w in (0, *widths)}  # 0: root passes (B rows)
+        self.verify = LinearCost()
+        self.other = LinearCost()  # rest of a step (scheduling, sampling): a constant
+        self.calibration = MassCalibration()
+        self.acceptance = {w: WidthAcceptance(max_depth) for w in widths}
+        self.width = max(widths)
+        self.depth = max_depth
+        self.steps = 0
+        self.last_run = {w: -1 for w in widths}
+
+    # ---- across steps: the shape ---------------------------------------------------------
+    def plan_step(self, batch_size: int) -> StepPlan:
+        self.steps += 1
+        if self.auto_width or self.auto_depth:
+            unexplored = [w for w in self.widths if self.acceptance[w].steps < EXPLORE_STEPS]
+            if self.auto_width and unexplored:
+                self.width, self.depth = max(unexplored), self.max_depth  # widest first
+            elif self.steps % RECHOOSE_EVERY == 1 or unexplored:
+                self._choose(batch_size)
+            elif self.auto_width and self.steps % (RECHOOSE_EVERY * REEXPLORE_EVERY) == 0:
+                # one step of the least recently run width keeps its statistics current
+                stale = min(self.widths, key=lambda w: self.last_run[w])
+                self.last_run[stale] = self.steps
+                return StepPlan(TreeShape(stale, self.depth), self.auto_depth, True)
+        self.last_run[self.width] = self.steps
+        if not self.auto_depth:
+            return StepPlan(TreeShape(self.width, self.depth), False, True)
+        if self.steps % FULL_DEPTH_EVERY == 0:  # a look past the usual depth, not too costly
+            deeper = min(self.max_depth, max(2 * self.depth, self.depth + 4))
+            return StepPlan(TreeShape(self.width, deeper), True, True)
+        full = self.acceptance[self.width].steps < EXPLORE_STEPS
+        return StepPlan(TreeShape(self.width, self.depth), True, full)
+
+    def predicted_rate(self, width: int, depth: int, batch_size: int) -> float:
+        """Predicted tokens/s of fixed-shape steps (width, depth) over `batch_size` requests."""
+        reach = self.acceptance[width].reach()
+        tokens = batch_size * (1.0 + float(reach[:depth].sum()))
+        return tokens / max(self.step_seconds(width, depth, batch_size, batch_size * width * depth),
+                            1e-9)
+
+    def step_seconds(self, width: int, depth: int, batch_size: int, nodes: int) -> float:
+        return (self.other(0) + self.draft_pass[0](batch_size)
+                + (depth - 1) * self.draft_pass[width](batch_size * width)
+                + self.verify(batch_size + nodes))
+
+    def _choose(self, batch_size: int) -> None:
+        widths = self.widths if self.auto_width else (self.width,)
+        depths = range(1, self.max_depth + 1) if self.auto_depth else (self.depth,)
+        best = max(((w, d) for w in widths for d in depths),
+                   key=lambda wd: self.predicted_rate(*wd, batch_size))
+        if best != (self.width, self.depth):
+            logger.info("vllm-subspec: tree shape %dx%d (width x max depth), predicted %.1f "
+                        "tok/s at batch %d", best[0], best[1],
+                        self.predicted_rate(*best, batch_size), batch_size)
+        self.width, self.depth = best
+
+    # ---- within a step: the depth --------------------------------------------------------
+    def keep_drafting(self, log_mass: torch.Tensor, width: int) -> bool:
+        """After drafting depths 1..d: draft depth d + 1 for the whole batch?
+
+        log_mass: [B, d + 1] log frontier mass at depths 0..d (depth 0: the root, 0.0), CPU.
+        Yes while the next depth's expected tokens per extra second beat the step's predicted
+        tokens per second so far (adding it raises tokens/s), for the batch as a whole."""
+        b, d = log_mass.shape[0], log_mass.shape[1] - 1
+        p = self.calibration.predict(log_mass.exp())  # [B, d + 1]: P(depth j + 1 accepted)
+        tokens = b + float(p[:, :d].sum())
+        seconds = self.step_seconds(width, d, b, b * width * d)
+        gain = float(p[:, d].sum())
+        cost = self.draft_pass[width](b * width) + self.verify.per_row() * b * width
+        return gain * seconds > tokens * cost
+
+    def verify_depths(self, log_mass: torch.Tensor, width: int) -> list[int]:
+        """How many depths of each request's tree to verify: trailing depths whose verify rows
+        cost more than they are expected to yield at the step's rate are left out.
+        log_mass: [B, d + 1] as in keep_drafting, d the depth drafted."""
+        b, d = log_mass.shape[0], log_mass.shape[1] - 1
+        row_cost = self.verify.per_row() * width
+        if row_cost <= 0 or not self.auto_depth:
+            return [d] * b
+        p = self.calibration.predict(log_mass.exp())
+        rate = (b + float(p[:, :d].sum())) / max(self.step_seconds(width, d, b, b * width * d),
+                                                1e-9)
+        pays = p[:, :d] > rate * row_cost  # [B, d]: depth j + 1 pays for its rows
+        depths = []
+        for row in pays.tolist():
+            keep = d
+            while keep > 1 and not row[keep - 1]:
+                keep -= 1
+            depths.append(keep)
+        return depths
+
+    # ---- measurements --------------------------------------------------------------------
+    def observe_draft(self, width: int, batch_size: int, depth: int, seconds: float,
+                      root_seconds: float | None = None) -> None:
+        """A step's drafting time: the root pass (B rows) and depth - 1 passes (B*k rows)."""
+        if root_seconds is not None:
+            self.draft_pass[0].add(batch_size, root_seconds)
+            if depth > 1:
+                self.draft_pass[width].add(batch_size * width,
+                                           (seconds - root_seconds) / (depth - 1))
+        else:  # one timing for all passes: rows-weighted split
+            rows = batch_size + (depth - 1) * batch_size * width
+            self.draft_pass[0].add(batch_size, seconds * batch_size / rows)
+            if depth > 1:
+                self.draft_pass[width].add(batch_size * width,
+                                           seconds * batch_size * width / rows)
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self.verify.add(rows, seconds)
+
+    def observe_other(self, seconds: float) -> None:
+        self.other.add(0, max(seconds, 0.0))
+
+    def observe_tree(self, width: int, level_log_mass: list[float], accepted: int,
+                     verified_depth: int) -> None:
+        """One request's verified tree: level_log_mass[j] = log frontier mass at depth j."""
+        if verified_depth < 1:
+            return
+        self.acceptance[width].add(accepted, verified_depth)
+        j = torch.arange(1, verified_depth + 1)
+        mass = torch.tensor(level_log_mass[:verified_depth], dtype=torch.float64).exp()
+        self.calibration.add(mass, j <= accepted)
+
+    def describe(self) -> str:
+        return (f"width {self.width}, max depth {self.depth}, draft pass "
+                f"{1e3 * self.draft_pass[self.width](self.width):.1f} ms at k rows, verify "
+                f"{1e3 * self.verify(1):.1f} ms + {1e3 * self.verify.per_row():.2f} ms/row")
+
+
+def level_log_mass(scores: torch.Tensor) -> torch.Tensor:
+    """[B, k] log path scores at one depth -> [B] log of their summed probability."""
+    return torch.logsumexp(scores.float(), dim=-1)
+
+
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
