@@ -36,7 +36,7 @@ logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handl
 
 DECAY = 0.98  # per observation: statistics follow the workload over the last ~50 steps
 RECHOOSE_EVERY = 16  # steps between shape choices
-EXPLORE_STEPS = 4  # verified trees of each candidate width, at full depth, before choosing
+EXPLORE_STEPS = 4  # verified trees of each candidate width before the first choice
 REEXPLORE_EVERY = 8  # every n-th choice period has one step of the least-recently-run width
 FULL_DEPTH_EVERY = 16  # every n-th step drafts past D_max: observations past the usual stop
 
@@ -201,7 +201,9 @@ class ShapeTuner:
         if self.steps % FULL_DEPTH_EVERY == 0:  # a look past the usual depth, not too costly
             deeper = min(self.max_depth, max(2 * self.depth, self.depth + 4))
             return StepPlan(TreeShape(self.width, deeper), True, True)
-        full = self.acceptance[self.width].steps < EXPLORE_STEPS
+        # a width's first tree goes to full depth (the calibration's first look); after that
+        # the adaptive stop runs on what has been measured (full-depth trees are costly on CPU)
+        full = self.acceptance[self.width].steps < 1
         return StepPlan(TreeShape(self.width, self.depth), True, full)
 
     def predicted_rate(self, width: int, depth: int, batch_size: int) -> float:
