@@ -25,12 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
 from depth_sweep import RESULTS, environment, kv_kwargs, model_path  # noqa: E402
+from methods import METHODS as TABLE_METHODS  # noqa: E402
+from methods import suffix_available  # noqa: E402
 
 METHODS = {
-    "plain": None,
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-              "prompt_lookup_min": 2},
-    "suffix": {"method": "suffix", "num_speculative_tokens": 16},
+    **{name: TABLE_METHODS[name] for name in ("plain", "ngram", "suffix")},  # as in methods.py
     "subspec chain:4": {"method": "subspec", "num_speculative_tokens": 4},
     "subspec chain:8": {"method": "subspec", "num_speculative_tokens": 8},
     "subspec tree:6x16": {"method": "subspec", "tree_width": 6, "tree_depth": 16},
@@ -120,14 +119,6 @@ def run_method(model: str, spec: dict | None, prompts: list[str], max_tokens: in
                        "token_ids": [t for r in concurrent for t in r.token_ids]},
         "final_shape": final["shape"],
     }
-
-
-def suffix_available() -> bool:
-    try:
-        import arctic_inference  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def markdown(report: dict) -> str:
