@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import torch
 
@@ -300,12 +299,3 @@ class ShapeTuner:
         return (f"width {self.width}, max depth {self.depth}, draft pass "
                 f"{1e3 * self.draft_pass[self.width](self.width):.1f} ms at k rows, verify "
                 f"{1e3 * self.verify(1):.1f} ms + {1e3 * self.verify.per_row():.2f} ms/row")
-
-
-def level_log_mass(scores: torch.Tensor) -> torch.Tensor:
-    """[B, k] log path scores at one depth -> [B] log of their summed probability."""
-    return torch.logsumexp(scores.float(), dim=-1)
-
-
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
