@@ -272,6 +272,21 @@ def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
     assert runner.positions[:5].tolist() == [40, 41, 42, 43, 44]
 
 
+
+def test_a_drafted_chain_verifies_with_the_backends_causal_rows():
+    """A width-1 tree (the auto shape's chain) has the causal mask: no tree-attention rows are
+    recomputed, the chain is still walked as a drafted tree, and its verify is still timed."""
+    drafts = {"a": [5, 6, 7]}
+    runner = runner_for_prepare([40], drafts)
+    step = TreeStep(runner, TreeMask())
+    chain = chain_tree(drafts["a"])
+    step.drafted = {"a": StoredTree(chain.tokens, chain.parents, chain.mask, 1)}
+    step.prepare_verify(SimpleNamespace(scheduled_spec_decode_tokens=drafts))
+    assert step.plan is None and step.verifying["a"].compact
+    assert runner.positions.tolist() == [40, 41, 42, 43]
+    with step.verify_forward():
+        assert step.mask.plan is None and step._verify_start is not None
+
 def sampler_on(path: str) -> Sampler:
     """vLLM's Sampler drawing as on the CPU backend (`forward_cpu`: one randint per step from
     a seeded generator) or as on CUDA with per-request generators (`forward_native`: one

@@ -274,8 +274,9 @@ class SubSpecProposer(DraftModelProposer):
                 slot_mapping=slots.reshape(-1),
                 seq_lens_cpu_upper_bound=None,
             )
+            # a chain's ancestor-only mask is the causal one: the backend's result stands
             plan_rows = TreePlan([TreeRows(i, i * k, roots[i], tree.mask[i, level, : level.stop])
-                                  for i in range(batch_size)])
+                                  for i in range(batch_size)]) if k > 1 else None
             with self.tree_mask.active(plan_rows):
                 logits = self._forward_logits(step_cad, tree.frontier_tokens().reshape(-1), d)
             tree.grow(sharpened_log_probs(logits, temperature).view(batch_size, k, -1))

@@ -5,7 +5,8 @@ the proposer stores it until its accepted path's KV sits in place.
 2. `prepare_verify` (after vLLM's `_prepare_inputs`, step N+1): each tree is consumed (verified
    at most once). vLLM laid the root and the scheduled nodes out as a chain: node i in slot L + i
    (kept: slots follow node order) at position L + i (replaced by L + depth(i)). The tree rows
-   and their ancestor-only masks form this step's `TreePlan`.
+   and their ancestor-only masks form this step's `TreePlan` (a chain's mask is the causal one:
+   the backend's own rows stand, so a width-1 tree adds none).
 3. `verify_forward` (around vLLM's `_model_forward`): the plan is active, scoped to that forward.
 4. `__call__` (in place of vLLM's `RejectionSampler`, same call and output format): "sample, then
    match" on the target's logits at every node, then the KV compaction of each accepted path.
@@ -110,7 +111,8 @@ class TreeStep:
             depths = TreeShape(stored.width, n // stored.width + 1).depths()  # this step's k
             runner.positions[q0 + 1: q0 + 1 + n] = (root + depths[1: n + 1]).to(
                 runner.positions.device)
-            rows.append(TreeRows(i, q0, root, stored.mask[: n + 1, : n + 1]))
+            if stored.width > 1:  # a chain's mask is causal: the backend's rows stand
+                rows.append(TreeRows(i, q0, root, stored.mask[: n + 1, : n + 1]))
             self.verifying[req_id] = VerifiedTree(stored, root, i, True)
         self.plan = TreePlan(rows) if rows else None
 
@@ -118,7 +120,8 @@ class TreeStep:
     @contextlib.contextmanager
     def verify_forward(self):
         plan, self.plan = self.plan, None  # the plan belongs to exactly one forward
-        self._verify_start = time.perf_counter() if plan is not None else None
+        drafted = any(v.compact for v in self.verifying.values())  # chains have no plan rows
+        self._verify_start = time.perf_counter() if drafted else None
         with self.mask.active(plan):
             yield
 
