@@ -92,6 +92,10 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_cpu",
     "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_native",
     "vllm.v1.sample.ops.topk_topp_sampler:random_sample",
+    # DraftModel.compute_logits finishes the draft's own lm_head's logits as these do
+    "vllm.model_executor.layers.logits_processor:LogitsProcessor.__init__",
+    "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward",
+    "vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
 )
 
 # Where a name went when vLLM moved it (looked up only when the listed module lacks it).
