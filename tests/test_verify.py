@@ -287,6 +287,21 @@ def test_a_drafted_chain_verifies_with_the_backends_causal_rows():
     with step.verify_forward():
         assert step.mask.plan is None and step._verify_start is not None
 
+
+def test_store_keeps_each_requests_level_masses_for_the_tuner():
+    from vllm_subspec.tree import TreeBatch, TreeShape
+
+    tree = TreeBatch(TreeShape(2, 3), torch.tensor([7, 9]))
+    tree.grow(torch.randn(2, 11).log_softmax(-1))
+    tree.grow(torch.randn(2, 2, 11).log_softmax(-1))
+    step = TreeStep(None, TreeMask())
+    log_mass = tree.log_mass[:, : tree.grown + 1]
+    step.store(["a", "b"], tree, log_mass)
+    assert step.drafted["b"].level_log_mass == log_mass[1].tolist()
+    assert len(step.drafted["a"].level_log_mass) == tree.grown + 1 == 3
+    step.store(["a", "b"], tree)  # a fixed shape: no tuner, no masses read
+    assert step.drafted["a"].level_log_mass == [] and step.drafted["a"].width == 2
+
 def sampler_on(path: str) -> Sampler:
     """vLLM's Sampler drawing as on the CPU backend (`forward_cpu`: one randint per step from
     a seeded generator) or as on CUDA with per-request generators (`forward_native`: one

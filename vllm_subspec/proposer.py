@@ -280,10 +280,12 @@ class SubSpecProposer(DraftModelProposer):
             with self.tree_mask.active(plan_rows):
                 logits = self._forward_logits(step_cad, tree.frontier_tokens().reshape(-1), d)
             tree.grow(sharpened_log_probs(logits, temperature).view(batch_size, k, -1))
-        self.tree_step.store(self.runner.input_batch.req_ids[:batch_size], tree)
+        req_ids = self.runner.input_batch.req_ids[:batch_size]
         if plan is None:
+            self.tree_step.store(req_ids, tree)
             return tree.tokens[:, 1:]
-        log_mass = tree.log_mass[:, : tree.grown + 1].cpu()
+        log_mass = tree.log_mass[:, : tree.grown + 1].cpu()  # one host read: tuner and store
+        self.tree_step.store(req_ids, tree, log_mass)
         if logits.is_cuda:
             torch.cuda.current_stream().synchronize()
         tuner.observe_draft(k, batch_size, tree.grown, time.perf_counter() - start, root_seconds)

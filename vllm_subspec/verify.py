@@ -81,11 +81,14 @@ class TreeStep:
         self.kv_caches: Callable[[], list[tuple[object, torch.Tensor]]] | None = None
 
     # ---- 1. after drafting ---------------------------------------------------------------
-    def store(self, req_ids: list[str], tree: TreeBatch) -> None:
+    def store(self, req_ids: list[str], tree: TreeBatch,
+              log_mass: torch.Tensor | None = None) -> None:
+        """log_mass: [B, grown + 1] the tree's per-depth log frontier mass on the host, for an
+        auto shape's tuner (read once by the proposer); None for a fixed shape."""
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        log_mass = tree.log_mass.tolist()
+        masses = log_mass.tolist() if log_mass is not None else [[] for _ in req_ids]
         self.drafted = {rid: StoredTree(tokens[i], parents[i], tree.mask[i], tree.shape.width,
-                                        log_mass[i][: tree.grown + 1])
+                                        masses[i])
                         for i, rid in enumerate(req_ids)}
 
     # ---- 2. verify inputs ----------------------------------------------------------------
