@@ -94,6 +94,41 @@ def test_auto_shape_greedy_identical(smollm2, prompts, plain, monkeypatch):
     assert stats.num_draft_tokens < stats.num_drafts * 6 * 32
 
 
+def test_auto_pauses_drafting_losslessly(smollm2, prompts, plain, monkeypatch):
+    """Where plain decoding is predicted faster, auto drafts nothing (empty draft lists: vLLM
+    runs plain decoding steps) but for one probe step per choice period; switching between
+    plain steps and tree steps keeps the output plain decoding's."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
+    llm = make_llm(smollm2, {"method": "subspec"}, **FP32)
+    try:
+        timed_generate(llm, prompts[:2], GREEDY)  # explores every width
+        llm.collective_rpc(_predict_plain_faster)
+        result = timed_generate(llm, prompts, GREEDY)
+        plans = llm.collective_rpc(_plans_seen)[0]
+    finally:
+        shutdown(llm)
+    assert_identical(result.token_ids, plain[0].token_ids)
+    assert plans["plain"] > 3 * plans["drafting"] > 0, plans
+
+
+def _predict_plain_faster(worker) -> None:
+    tuner = worker.model_runner.drafter.tuner
+    tuner.plain_rate = lambda batch_size: float("inf")
+    tuner.plans_seen = {"plain": 0, "drafting": 0}
+    plan_step = tuner.plan_step
+
+    def counted(batch_size):
+        plan = plan_step(batch_size)
+        tuner.plans_seen["plain" if plan.shape.depth == 0 else "drafting"] += 1
+        return plan
+
+    tuner.plan_step = counted
+
+
+def _plans_seen(worker) -> dict:
+    return worker.model_runner.drafter.tuner.plans_seen
+
+
 def _tuner_state(worker) -> dict:
     tuner = worker.model_runner.drafter.tuner
     return {"verify_rows_seen": tuner.verify.known,

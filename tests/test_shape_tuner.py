@@ -100,6 +100,8 @@ class World:
         """One engine step driven by the tuner; returns (tokens, seconds, passes)."""
         plan = tuner.plan_step(batch_size)
         k, depth_max = plan.shape.width, plan.shape.depth
+        if depth_max == 0:  # no draft: a plain decoding step, which the engine does not time
+            return batch_size, self.t_verify(batch_size) + self.other, 0
         c = self.cont[k]
         log_mass = torch.zeros(batch_size, depth_max + 1)
         belief = [[min(0.999, max(0.01, c + self.rng.gauss(0, 0.05))) for _ in range(depth_max)]
@@ -129,6 +131,9 @@ class World:
             tuner.observe_tree(k, log_mass[i, : d + 1].tolist(), accepted, v)
         return tokens, draft_s + verify_s + self.other, d
 
+    def plain_rate(self, batch_size):
+        return batch_size / (self.t_verify(batch_size) + self.other)
+
     def fixed_rate(self, k, depth, batch_size):
         """Expected tokens/s of fixed (k, depth) steps."""
         c = self.cont[k]
@@ -157,9 +162,29 @@ def test_auto_shape_reaches_the_best_fixed_shape(cont, batch_size):
     run(world, tuner, 300, batch_size)  # warm: explores, measures, calibrates
     rate, _, _ = run(world, tuner, 400, batch_size)
     best = max(world.fixed_rate(k, d, batch_size) for k in cont for d in range(1, 33))
+    assert best > world.plain_rate(batch_size)  # drafting pays in these worlds
     assert rate >= 0.9 * best, (rate, best, tuner.describe())
     # and it is far from the worst shapes a fixed default could be
     assert rate > 1.3 * min(world.fixed_rate(k, d, batch_size) for k in cont for d in (1, 32))
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_auto_drafts_nothing_where_plain_decoding_is_faster(batch_size):
+    """A draft pass nearly as costly as a target step and a weak draft (a CPU with a small
+    model): plain steps win, so auto drafts only in its probe steps and keeps most of plain's
+    rate; a fixed shape drafts anyway. Fixed depths always draft."""
+    cont = {1: 0.5, 2: 0.55, 4: 0.6, 6: 0.6}
+    world = World(cont, pass_cost=(0.06, 0.004), verify_cost=(0.08, 0.004), seed=2)
+    assert max(world.fixed_rate(k, d, batch_size) for k in cont for d in range(1, 33)) \
+        < world.plain_rate(batch_size)
+    tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+    run(world, tuner, 200, batch_size)
+    rate, _, passes = run(world, tuner, 320, batch_size)
+    assert tuner.depth == 0 and passes <= 320 / 8  # ~1 drafting step in RECHOOSE_EVERY
+    assert rate >= 0.9 * world.plain_rate(batch_size), (rate, world.plain_rate(batch_size))
+    fixed_depth = ShapeTuner((1, 2, 4, 6), 4, auto_width=True, auto_depth=False)
+    run(world, fixed_depth, 200, batch_size)
+    assert all(fixed_depth.plan_step(batch_size).shape.depth == 4 for _ in range(50))
 
 
 def test_every_width_is_explored_first_widest_first():

@@ -229,11 +229,14 @@ class SubSpecProposer(DraftModelProposer):
         nodes. A fixed shape drafts every depth and returns [B, k*D] tokens. An auto shape asks
         the tuner for (k, D_max), stops when one more depth no longer pays (checked every
         `check_every` depths: each check reads the masses on the host) and returns each
-        request's tokens down to the depth worth verifying (lists; vLLM schedules what it gets).
+        request's tokens down to the depth worth verifying (lists; vLLM schedules what it gets;
+        empty ones, a plain decoding step, when the tuner finds drafting does not pay).
         """
         batch_size = cad.batch_size()
         tuner = self.tuner
         plan = tuner.plan_step(batch_size) if tuner is not None else None
+        if plan is not None and plan.shape.depth == 0:  # plain decoding is predicted faster
+            return [[] for _ in range(batch_size)]
         shape = plan.shape if plan is not None else self.tree_shape
         k, temperature = shape.width, self.options.draft_temperature
         adaptive = plan is not None and plan.adaptive and not plan.full_depth

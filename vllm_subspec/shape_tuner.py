@@ -15,7 +15,9 @@ target verifies whatever was drafted, so no decision can change what a request o
   against what the target accepted.
 - `ShapeTuner`: per step, the width k and the deepest depth D_max (auto shape; re-chosen every
   `RECHOOSE_EVERY` steps from per-width acceptance and the measured costs, each width explored
-  first); within a step, whether the batch drafts one more depth (`keep_drafting`: the next
+  first), or no draft at all when a plain decoding step, T = t_other + t_verify(B) for B tokens,
+  is predicted faster (an auto depth only; one step per choice period still drafts, so the
+  statistics stay current); within a step, whether the batch drafts one more depth (`keep_drafting`: the next
   depth's expected tokens per extra second must beat the step's rate so far) and how many
   depths each request sends to verification (`verify_depths`: a depth whose verify rows cost
   more than they are expected to yield is not verified; on a GPU with offloading verify rows are
@@ -153,7 +155,7 @@ class WidthAcceptance:
 class StepPlan:
     """This step's drafting budget."""
 
-    shape: TreeShape  # width k and the deepest depth allowed (D_max)
+    shape: TreeShape  # width k and the deepest depth allowed (D_max); depth 0: draft nothing
     adaptive: bool  # may stop before D_max
     full_depth: bool  # an exploration step: drafts to D_max whatever the costs say
 
@@ -176,7 +178,8 @@ class ShapeTuner:
         self.calibration = MassCalibration()
         self.acceptance = {w: WidthAcceptance(max_depth) for w in widths}
         self.width = max(widths)
-        self.depth = max_depth
+        self.depth = max_depth  # 0: plain decoding is predicted faster than any draft
+        self.drafting = (self.width, self.depth)  # the best drafting shape of the last choice
         self.steps = 0
         self.last_run = {w: -1 for w in widths}
 
@@ -193,7 +196,13 @@ class ShapeTuner:
                 # one step of the least recently run width keeps its statistics current
                 stale = min(self.widths, key=lambda w: self.last_run[w])
                 self.last_run[stale] = self.steps
-                return StepPlan(TreeShape(stale, self.depth), self.auto_depth, True)
+                return StepPlan(TreeShape(stale, self.drafting[1]), self.auto_depth, True)
+        if self.depth == 0:  # plain decoding is faster: draft only in the step before a choice
+            if self.steps % RECHOOSE_EVERY != 0:
+                return StepPlan(TreeShape(self.width, 0), False, False)
+            width, depth = self.drafting
+            self.last_run[width] = self.steps
+            return StepPlan(TreeShape(width, depth), True, False)
         self.last_run[self.width] = self.steps
         if not self.auto_depth:
             return StepPlan(TreeShape(self.width, self.depth), False, True)
@@ -212,6 +221,10 @@ class ShapeTuner:
         return tokens / max(self.step_seconds(width, depth, batch_size, batch_size * width * depth),
                             1e-9)
 
+    def plain_rate(self, batch_size: int) -> float:
+        """Predicted tokens/s of plain decoding steps (no draft): one row per request."""
+        return batch_size / max(self.other(0) + self.verify(batch_size), 1e-9)
+
     def step_seconds(self, width: int, depth: int, batch_size: int, nodes: int) -> float:
         return (self.other(0) + self.draft_pass[0](batch_size)
                 + (depth - 1) * self.draft_pass[width](batch_size * width)
@@ -222,10 +235,18 @@ class ShapeTuner:
         depths = range(1, self.max_depth + 1) if self.auto_depth else (self.depth,)
         best = max(((w, d) for w in widths for d in depths),
                    key=lambda wd: self.predicted_rate(*wd, batch_size))
+        rate, plain = self.predicted_rate(*best, batch_size), self.plain_rate(batch_size)
+        self.drafting = best
+        if self.auto_depth and self.verify.known and plain > rate:
+            best = (best[0], 0)
         if best != (self.width, self.depth):
-            logger.info("vllm-subspec: tree shape %dx%d (width x max depth), predicted %.1f "
-                        "tok/s at batch %d", best[0], best[1],
-                        self.predicted_rate(*best, batch_size), batch_size)
+            if best[1] == 0:
+                logger.info("vllm-subspec: no draft: plain decoding predicted faster (%.1f vs "
+                            "%.1f tok/s at batch %d); one step in %d drafts", plain, rate,
+                            batch_size, RECHOOSE_EVERY)
+            else:
+                logger.info("vllm-subspec: tree shape %dx%d (width x max depth), predicted "
+                            "%.1f tok/s at batch %d", best[0], best[1], rate, batch_size)
         self.width, self.depth = best
 
     # ---- within a step: the depth --------------------------------------------------------
