@@ -131,7 +131,7 @@ def _plans_seen(worker) -> dict:
 
 def _tuner_state(worker) -> dict:
     tuner = worker.model_runner.drafter.tuner
-    return {"verify_rows_seen": tuner.verify.known,
+    return {"verify_rows_seen": any(v.known for v in tuner.verify.values()),
             "draft_passes_seen": tuner.draft_pass[tuner.width].known,
             "widths_run": sorted(w for w, a in tuner.acceptance.items() if a.steps)}
 

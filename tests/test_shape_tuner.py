@@ -120,7 +120,7 @@ class World:
         depths = tuner.verify_depths(log_mass[:, : d + 1], k)
         rows = sum(1 + k * v for v in depths)
         verify_s = self.t_verify(rows)
-        tuner.observe_verify(rows, verify_s)
+        tuner.observe_verify(k, rows, verify_s)
         tuner.observe_other(self.other)
         tokens = 0
         for i, v in enumerate(depths):
@@ -240,12 +240,27 @@ def test_verify_rows_that_cost_more_than_they_yield_are_cut_on_cpu_only():
                              [0.0, -1.0, -1.0] + [-30.0] * 6])
     # verify costs nothing per row (GPU with offload): keep every drafted depth
     for rows in (10, 50, 100):
-        tuner.observe_verify(rows, 0.5)
+        tuner.observe_verify(6, rows, 0.5)
     assert tuner.verify_depths(log_mass, 6) == [8, 8]
     # verify rows cost (CPU): the lost request's hopeless depths are not verified
     cpu = ShapeTuner((6,), 8, auto_width=False, auto_depth=True)
     cpu.draft_pass, cpu.other = tuner.draft_pass, tuner.other
     for rows in (10, 50, 100):
-        cpu.observe_verify(rows, 0.01 * rows)
+        cpu.observe_verify(6, rows, 0.01 * rows)
     depths = cpu.verify_depths(log_mass, 6)
     assert depths[0] == 8 and 1 <= depths[1] <= 3
+
+
+def test_verify_cost_is_per_width_and_plain_is_timed_as_a_chain():
+    """A chain's verify rows are causal (no tree attention) and cost little; a tree's each need
+    masked attention. Neither's cost is charged to the other, and a plain step is predicted
+    from the chain's."""
+    tuner = ShapeTuner((1, 6), 8, auto_width=True, auto_depth=True)
+    assert tuner.plain_rate(1) == 0.0  # nothing measured: never predicted faster
+    for rows in (2, 4, 6):
+        tuner.observe_verify(1, rows, 0.1 + 0.001 * rows)
+    for rows in (13, 25, 49):
+        tuner.observe_verify(6, rows, 0.1 + 0.01 * rows)
+    assert tuner.verify[1].per_row() == pytest.approx(0.001)
+    assert tuner.verify[6].per_row() == pytest.approx(0.01)
+    assert tuner.plain_rate(1) == pytest.approx(1 / 0.101, rel=1e-3)  # other: not yet measured

@@ -9,7 +9,8 @@ depth from the B*k frontier nodes) and emits E(d) = sum over requests of 1 + sum
 walk accepts a depth-j node) tokens. Everything here only decides how much to draft: the
 target verifies whatever was drafted, so no decision can change what a request outputs.
 
-- `LinearCost`: t_pass(rows) and t_verify(rows), fitted online as a + b * rows.
+- `LinearCost`: t_pass(rows) and t_verify(rows), fitted online as a + b * rows, per width (a
+  chain's verify rows are causal and cost little; a tree's rows each need masked attention).
 - `MassCalibration`: P(depth j accepted) from the draft's own belief, the frontier mass at depth
   j - 1 (the summed sharpened path probability of the k nodes kept there), calibrated online
   against what the target accepted.
@@ -17,11 +18,11 @@ target verifies whatever was drafted, so no decision can change what a request o
   `RECHOOSE_EVERY` steps from per-width acceptance and the measured costs, each width explored
   first), or no draft at all when a plain decoding step, T = t_other + t_verify(B) for B tokens,
   is predicted faster (an auto depth only; one step per choice period still drafts, so the
-  statistics stay current); within a step, whether the batch drafts one more depth (`keep_drafting`: the next
-  depth's expected tokens per extra second must beat the step's rate so far) and how many
-  depths each request sends to verification (`verify_depths`: a depth whose verify rows cost
-  more than they are expected to yield is not verified; on a GPU with offloading verify rows are
-  almost free and nothing is cut).
+  statistics stay current); within a step, whether the batch drafts one more depth
+  (`keep_drafting`: the next depth's expected tokens per extra second must beat the step's rate
+  so far) and how many depths each request sends to verification (`verify_depths`: a depth
+  whose verify rows cost more than they are expected to yield is not verified; on a GPU with
+  offloading verify rows are almost free and nothing is cut).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class ShapeTuner:
         self.max_depth = max_depth
         self.auto_width, self.auto_depth = auto_width, auto_depth
         self.draft_pass = {w: LinearCost() for w in (0, *widths)}  # 0: root passes (B rows)
-        self.verify = LinearCost()
+        self.verify = {w: LinearCost() for w in widths}  # the target's pass over width-w trees
         self.other = LinearCost()  # rest of a step (scheduling, sampling): a constant
         self.calibration = MassCalibration()
         self.acceptance = {w: WidthAcceptance(max_depth) for w in widths}
@@ -222,13 +223,17 @@ class ShapeTuner:
                             1e-9)
 
     def plain_rate(self, batch_size: int) -> float:
-        """Predicted tokens/s of plain decoding steps (no draft): one row per request."""
-        return batch_size / max(self.other(0) + self.verify(batch_size), 1e-9)
+        """Predicted tokens/s of plain decoding steps (no draft): one row per request, timed
+        as the narrowest width's verify (a chain's is a plain causal pass), 0 if unmeasured."""
+        verify = self.verify[min(self.widths)]
+        if not verify.known:
+            return 0.0
+        return batch_size / max(self.other(0) + verify(batch_size), 1e-9)
 
     def step_seconds(self, width: int, depth: int, batch_size: int, nodes: int) -> float:
         return (self.other(0) + self.draft_pass[0](batch_size)
                 + (depth - 1) * self.draft_pass[width](batch_size * width)
-                + self.verify(batch_size + nodes))
+                + self.verify[width](batch_size + nodes))
 
     def _choose(self, batch_size: int) -> None:
         widths = self.widths if self.auto_width else (self.width,)
@@ -237,7 +242,7 @@ class ShapeTuner:
                    key=lambda wd: self.predicted_rate(*wd, batch_size))
         rate, plain = self.predicted_rate(*best, batch_size), self.plain_rate(batch_size)
         self.drafting = best
-        if self.auto_depth and self.verify.known and plain > rate:
+        if self.auto_depth and plain > rate:
             best = (best[0], 0)
         if best != (self.width, self.depth):
             if best[1] == 0:
@@ -261,7 +266,7 @@ class ShapeTuner:
         tokens = b + float(p[:, :d].sum())
         seconds = self.step_seconds(width, d, b, b * width * d)
         gain = float(p[:, d].sum())
-        cost = self.draft_pass[width](b * width) + self.verify.per_row() * b * width
+        cost = self.draft_pass[width](b * width) + self.verify[width].per_row() * b * width
         return gain * seconds > tokens * cost
 
     def verify_depths(self, log_mass: torch.Tensor, width: int) -> list[int]:
@@ -269,7 +274,7 @@ class ShapeTuner:
         cost more than they are expected to yield at the step's rate are left out.
         log_mass: [B, d + 1] as in keep_drafting, d the depth drafted."""
         b, d = log_mass.shape[0], log_mass.shape[1] - 1
-        row_cost = self.verify.per_row() * width
+        row_cost = self.verify[width].per_row() * width
         if row_cost <= 0 or not self.auto_depth:
             return [d] * b
         p = self.calibration.predict(log_mass.exp())
@@ -300,8 +305,8 @@ class ShapeTuner:
                 self.draft_pass[width].add(batch_size * width,
                                            seconds * batch_size * width / rows)
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        self.verify.add(rows, seconds)
+    def observe_verify(self, width: int, rows: int, seconds: float) -> None:
+        self.verify[width].add(rows, seconds)
 
     def observe_other(self, seconds: float) -> None:
         self.other.add(0, max(seconds, 0.0))
@@ -319,4 +324,5 @@ class ShapeTuner:
     def describe(self) -> str:
         return (f"width {self.width}, max depth {self.depth}, draft pass "
                 f"{1e3 * self.draft_pass[self.width](self.width):.1f} ms at k rows, verify "
-                f"{1e3 * self.verify(1):.1f} ms + {1e3 * self.verify.per_row():.2f} ms/row")
+                f"{1e3 * self.verify[self.width](1):.1f} ms + "
+                f"{1e3 * self.verify[self.width].per_row():.2f} ms/row")
