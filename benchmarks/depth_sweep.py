@@ -187,9 +187,9 @@ def markdown(report: dict) -> str:
         "(target forward, sampling, scheduling).",
         "- identical ('-': not checked, --skip-identity): token ids equal to the plain engine "
         "when all prompts run as one batch to "
-        "max tokens. A chain is bit-exact in bf16; a tree's rows use a torch attention that "
-        "rounds within 1 bf16 ulp of the CPU kernel, which can flip a bf16 logit tie (the "
-        "tests check trees token-identical in fp32).",
+        "max tokens. On the CPU backend a chain is bit-exact in bf16, and so is a tree: its "
+        "rows run vLLM's CPU attention kernel as the decode rows plain decoding computes "
+        "(docs/losslessness.md; the tests check token identity in fp32).",
         "- On CPU nothing is offloaded, so tokens/s shows drafting cost, not the PCIe savings "
         "SubSpec exists for; τ carries over to the GPU setting.",
     ]
