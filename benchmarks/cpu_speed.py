@@ -212,8 +212,11 @@ def markdown(report: dict) -> str:
               ]
     scored = {n: rescored(r) for n, r in runs.items() if "rescored_single" in r}
     if scored:
+        from subspec_testing.losslessness import MAX_RANK, NEAR_TIE_NATS
+
         lines.append("- One-at-a-time differences from plain, re-scored with the target in fp32 "
-                     "at the first differing token (near-tie: rank <= 2 and within 0.25 nats): "
+                     f"at the first differing token (near-tie: rank <= {MAX_RANK} and within "
+                     f"{NEAR_TIE_NATS} nats): "
                      + "; ".join(f"{n}: {v}" for n, v in scored.items()) + ".")
     if report.get("auto_shapes"):
         lines.append(f"- Shape the auto tuner had chosen at the end (after the concurrent "

@@ -172,7 +172,7 @@ def test_auto_shape_reaches_the_best_fixed_shape(cont, batch_size):
 def test_auto_drafts_nothing_where_plain_decoding_is_faster(batch_size):
     """A draft pass nearly as costly as a target step and a weak draft (a CPU with a small
     model): plain steps win, so auto drafts only in its probe steps and keeps most of plain's
-    rate; a fixed shape drafts anyway. Fixed depths always draft."""
+    rate, while a fixed depth drafts every step anyway."""
     cont = {1: 0.5, 2: 0.55, 4: 0.6, 6: 0.6}
     world = World(cont, pass_cost=(0.06, 0.004), verify_cost=(0.08, 0.004), seed=2)
     assert max(world.fixed_rate(k, d, batch_size) for k in cont for d in range(1, 33)) \

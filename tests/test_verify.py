@@ -272,7 +272,6 @@ def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
     assert runner.positions[:5].tolist() == [40, 41, 42, 43, 44]
 
 
-
 def test_a_drafted_chain_verifies_with_the_backends_causal_rows():
     """A width-1 tree (the auto shape's chain) has the causal mask: no tree-attention rows are
     recomputed, the chain is still walked as a drafted tree, and its verify is still timed."""
@@ -301,6 +300,7 @@ def test_store_keeps_each_requests_level_masses_for_the_tuner():
     assert len(step.drafted["a"].level_log_mass) == tree.grown + 1 == 3
     step.store(["a", "b"], tree)  # a fixed shape: no tuner, no masses read
     assert step.drafted["a"].level_log_mass == [] and step.drafted["a"].width == 2
+
 
 def sampler_on(path: str) -> Sampler:
     """vLLM's Sampler drawing as on the CPU backend (`forward_cpu`: one randint per step from

@@ -169,10 +169,11 @@ class TreeStep:
             if self.tuner is not None and v is not None and v.compact:
                 self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, len(path),
                                         n // v.tree.width)
-        widths = {v.tree.width for v in trees if v is not None and v.compact}
-        if self.tuner is not None and self._verify_start is not None and len(widths) == 1:
-            self.verify_seconds = time.perf_counter() - self._verify_start
-            self.tuner.observe_verify(widths.pop(), start, self.verify_seconds)
+        if self.tuner is not None and self._verify_start is not None:
+            widths = {v.tree.width for v in trees if v is not None and v.compact}
+            if len(widths) == 1:  # one step drafts one width; its cost is that width's
+                self.verify_seconds = time.perf_counter() - self._verify_start
+                self.tuner.observe_verify(widths.pop(), start, self.verify_seconds)
         self._verify_start = None
         self.verifying = {}
         self._compact(moves)
