@@ -129,6 +129,50 @@ def _plans_seen(worker) -> dict:
     return worker.model_runner.drafter.tuner.plans_seen
 
 
+def test_requests_drop_out_of_later_draft_passes_losslessly(smollm2, prompts, plain,
+                                                             monkeypatch):
+    """A request whose tree no longer pays stops drafting while the rest of the batch goes on
+    (the passes after it run over fewer requests: their own metadata, slots and tree rows).
+    Forced here: every step plans a 6x8 tree, and at every depth the first request still
+    drafting drops out, down to one; each request then sends its own depth to verification,
+    and the output stays plain's."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
+    llm = make_llm(smollm2, {"method": "subspec", "tree_width": 6, "tree_depth": "auto",
+                             "substitute_layers": "all"}, **FP32)
+    try:
+        llm.collective_rpc(_drop_one_request_per_depth)
+        result = timed_generate(llm, prompts, GREEDY)
+        dropped = llm.collective_rpc(_drop_outs_seen)[0]
+    finally:
+        shutdown(llm)
+    assert_identical(result.token_ids, plain[0].token_ids)
+    assert dropped["passes_after_a_drop_out"] > 20, dropped
+
+
+def _drop_one_request_per_depth(worker) -> None:
+    from vllm_subspec.shape_tuner import StepPlan
+    from vllm_subspec.tree import TreeShape
+
+    tuner = worker.model_runner.drafter.tuner
+    tuner.drop_outs_seen = {"passes_after_a_drop_out": 0}
+
+    def drafting_next(log_mass, width, reached):
+        d = log_mass.shape[1] - 1
+        candidates = [i for i, r in enumerate(reached) if r == d]
+        going = candidates[1:] if len(candidates) > 1 else candidates
+        if len(going) < len(reached):
+            tuner.drop_outs_seen["passes_after_a_drop_out"] += 1
+        return going
+
+    tuner.plan_step = lambda batch_size: StepPlan(TreeShape(6, 8), adaptive=True,
+                                                  full_depth=False)
+    tuner.drafting_next = drafting_next
+
+
+def _drop_outs_seen(worker) -> dict:
+    return worker.model_runner.drafter.tuner.drop_outs_seen
+
+
 def _tuner_state(worker) -> dict:
     tuner = worker.model_runner.drafter.tuner
     return {"verify_rows_seen": any(v.known for v in tuner.verify.values()),

@@ -83,7 +83,8 @@ def test_width_acceptance_does_not_count_unverified_depths_as_rejected():
 
 class World:
     """Costs (seconds) and true acceptance of a tree step. Each depth of a width-k tree is
-    accepted with probability `cont[k]` given the one before; the draft believes a noisy copy."""
+    accepted with probability `cont[k]` given the one before (a tuple: request i of a batch
+    gets cont[k][i % len]); the draft believes a noisy copy."""
 
     def __init__(self, cont, pass_cost=(0.05, 0.002), verify_cost=(0.10, 0.004), other=0.01,
                  seed=0):
@@ -96,28 +97,38 @@ class World:
     def t_verify(self, rows):
         return self.verify_cost[0] + self.verify_cost[1] * rows
 
+    def request_cont(self, k, i):
+        c = self.cont[k]
+        return c[i % len(c)] if isinstance(c, tuple) else c
+
     def step(self, tuner: ShapeTuner, batch_size: int):
-        """One engine step driven by the tuner; returns (tokens, seconds, passes)."""
+        """One engine step driven by the tuner; returns (tokens, seconds, draft passes)."""
         plan = tuner.plan_step(batch_size)
         k, depth_max = plan.shape.width, plan.shape.depth
         if depth_max == 0:  # no draft: a plain decoding step, which the engine does not time
             return batch_size, self.t_verify(batch_size) + self.other, 0
-        c = self.cont[k]
-        log_mass = torch.zeros(batch_size, depth_max + 1)
+        conts = [self.request_cont(k, i) for i in range(batch_size)]
+        log_mass = torch.full((batch_size, depth_max + 1), -math.inf)
+        log_mass[:, 0] = 0.0
         belief = [[min(0.999, max(0.01, c + self.rng.gauss(0, 0.05))) for _ in range(depth_max)]
-                  for _ in range(batch_size)]
-        d = 1
+                  for c in conts]
+        d, reached, pass_rows = 1, [1] * batch_size, []
         log_mass[:, 1] = torch.tensor([math.log(b[0]) for b in belief])
+        active = list(range(batch_size))
         while d < depth_max:
-            if plan.adaptive and not plan.full_depth and not tuner.keep_drafting(
-                    log_mass[:, : d + 1], k):
-                break
-            log_mass[:, d + 1] = log_mass[:, d] + torch.tensor(
-                [math.log(b[d]) for b in belief])
+            if plan.adaptive and not plan.full_depth:
+                active = tuner.drafting_next(log_mass[:, : d + 1], k, reached)
+                if not active:
+                    break
+            for i in active:  # one pass over the active requests' frontiers
+                log_mass[i, d + 1] = log_mass[i, d] + math.log(belief[i][d])
+                reached[i] = d + 1
+            pass_rows.append(k * len(active))
             d += 1
-        draft_s = self.t_pass(batch_size) + (d - 1) * self.t_pass(batch_size * k)
-        tuner.observe_draft(k, batch_size, d, draft_s, self.t_pass(batch_size))
-        depths = tuner.verify_depths(log_mass[:, : d + 1], k)
+        draft_s = self.t_pass(batch_size) + sum(self.t_pass(r) for r in pass_rows)
+        tuner.observe_draft(k, batch_size, pass_rows, draft_s, self.t_pass(batch_size))
+        depths = tuner.verify_depths(log_mass[:, : d + 1], k, reached)
+        assert all(v <= r for v, r in zip(depths, reached))  # nothing undrafted is verified
         rows = sum(1 + k * v for v in depths)
         verify_s = self.t_verify(rows)
         tuner.observe_verify(k, rows, verify_s)
@@ -125,7 +136,7 @@ class World:
         tokens = 0
         for i, v in enumerate(depths):
             accepted = 0
-            while accepted < v and self.rng.random() < c:
+            while accepted < v and self.rng.random() < conts[i]:
                 accepted += 1
             tokens += accepted + 1
             tuner.observe_tree(k, log_mass[i, : d + 1].tolist(), accepted, v)
@@ -136,8 +147,8 @@ class World:
 
     def fixed_rate(self, k, depth, batch_size):
         """Expected tokens/s of fixed (k, depth) steps."""
-        c = self.cont[k]
-        tokens = batch_size * (1 + sum(c ** j for j in range(1, depth + 1)))
+        tokens = sum(1 + sum(self.request_cont(k, i) ** j for j in range(1, depth + 1))
+                     for i in range(batch_size))
         seconds = (self.t_pass(batch_size) + (depth - 1) * self.t_pass(batch_size * k)
                    + self.t_verify(batch_size * (1 + k * depth)) + self.other)
         return tokens / seconds
@@ -230,10 +241,78 @@ def test_adaptive_depth_drafts_fewer_passes_for_the_same_tokens():
     assert rate_a >= 0.9 * max(gpu_like(0).fixed_rate(6, d, 1) for d in range(1, 49))
 
 
+def _cpu_and_gpu_tuners():
+    """Tuners that have measured CPU-like costs (a draft row and a verify row each cost) and
+    GPU-with-offload-like ones (passes and verify flat in rows)."""
+    cpu = ShapeTuner((6,), 16, auto_width=False, auto_depth=True)
+    gpu = ShapeTuner((6,), 16, auto_width=False, auto_depth=True)
+    for rows in (6, 12, 24):
+        cpu.observe_draft(6, rows // 6, [rows] * 3, 4 * (0.005 + 0.003 * rows),
+                          0.005 + 0.003 * rows)
+        gpu.observe_draft(6, rows // 6, [rows] * 3, 4 * 0.011, 0.011)
+    for rows in (10, 50, 100):
+        cpu.observe_verify(6, rows, 0.3 + 0.003 * rows)
+        gpu.observe_verify(6, rows, 0.6)
+    cpu.observe_other(0.01)
+    gpu.observe_other(0.01)
+    return cpu, gpu
+
+
+def test_a_request_whose_tree_has_lost_the_target_drops_out_of_later_passes():
+    cpu, gpu = _cpu_and_gpu_tuners()
+    assert cpu.draft_pass[6].per_row() > 0 and gpu.draft_pass[6].per_row() == 0
+    # request 0's draft is sure; request 1's tree lost the target at depth 2 (mass e^-30)
+    log_mass = torch.tensor([[0.0, -0.01, -0.02], [0.0, -2.0, -30.0]])
+    assert cpu.drafting_next(log_mass, 6, [2, 2]) == [0]  # its rows would not pay: it stops
+    assert gpu.drafting_next(log_mass, 6, [2, 2]) == [0, 1]  # rows are free: nobody drops out
+    # a request that stopped earlier is no candidate again, whatever its mass
+    deeper = torch.tensor([[0.0, -0.01, -0.02, -0.03], [0.0, -0.01, -0.02, -math.inf]])
+    assert gpu.drafting_next(deeper, 6, [3, 2]) == [0]
+    # and when no request's next depth pays, drafting ends
+    lost = torch.tensor([[0.0, -20.0, -40.0], [0.0, -2.0, -30.0]])
+    assert cpu.drafting_next(lost, 6, [2, 2]) == []
+    # verify never goes past a request's own depth, and cuts its unpaying tail on CPU only
+    assert gpu.verify_depths(deeper, 6, [3, 2]) == [3, 2]
+    assert cpu.verify_depths(log_mass, 6, [2, 2]) == [2, 1]
+
+
+class WholeBatch(ShapeTuner):
+    """The rule without drop-out (the baseline): the whole batch drafts one more depth while
+    the batch's expected tokens per extra second beat the step's rate, or stops together."""
+
+    def drafting_next(self, log_mass, width, reached):
+        b, d = log_mass.shape[0], log_mass.shape[1] - 1
+        p = self.calibration.predict(log_mass.exp())
+        tokens, seconds = self._step_so_far(p, width, reached)
+        cost = self.draft_pass[width](b * width) + self.verify[width].per_row() * b * width
+        return list(range(b)) if float(p[:, d].sum()) * seconds > tokens * cost else []
+
+
+@pytest.mark.parametrize("batch_size", [2, 4])
+def test_dropping_out_beats_stopping_the_whole_batch_where_rows_cost(batch_size):
+    """A batch of one request the draft follows (0.97 per depth) and one it does not (0.3),
+    in turn, on CPU-like costs (a target pass reading the weights costs 0.15 s per request
+    here, so depth pays): the lost ones stop after a depth or two and the others go deep over
+    fewer rows, which beats both the whole batch stopping together and every fixed depth."""
+    def world(seed):
+        return World({6: (0.97, 0.3)}, pass_cost=(0.02, 0.003),
+                     verify_cost=(0.15 * batch_size, 0.003), seed=seed)
+
+    rates = {}
+    for name, cls in (("drop-out", ShapeTuner), ("whole batch", WholeBatch)):
+        tuner = cls((6,), 32, auto_width=False, auto_depth=True)
+        w = world(4)
+        run(w, tuner, 200, batch_size)
+        rates[name], _, _ = run(w, tuner, 400, batch_size)
+    best_fixed = max(world(0).fixed_rate(6, d, batch_size) for d in range(1, 33))
+    assert rates["drop-out"] >= 1.05 * rates["whole batch"], rates
+    assert rates["drop-out"] >= 1.05 * best_fixed, (rates, best_fixed)
+
+
 def test_verify_rows_that_cost_more_than_they_yield_are_cut_on_cpu_only():
     tuner = ShapeTuner((6,), 8, auto_width=False, auto_depth=True)
     for _ in range(20):
-        tuner.observe_draft(6, 2, 8, 8 * 0.05, 0.05)
+        tuner.observe_draft(6, 2, [12] * 7, 8 * 0.05, 0.05)
         tuner.observe_other(0.01)
     # one request whose draft is sure, one lost after depth 2 (masses e^-1, then e^-30)
     log_mass = torch.tensor([[0.0] + [-0.01 * j for j in range(1, 9)],

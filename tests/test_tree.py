@@ -53,6 +53,36 @@ def test_global_top_k_over_the_frontier():
     assert mask[0] == [1, 0, 0, 0, 0]
 
 
+def test_a_stopped_request_keeps_its_depth_while_the_others_grow():
+    """Growing a subset of the batch (the requests still drafting) gives those requests what
+    growing them alone would; a stopped request's nodes at that depth stay parentless (never
+    verified) with mass -inf, and its earlier levels are untouched."""
+    shape = TreeShape(width=3, depth=3)
+    torch.manual_seed(0)
+    root_q = torch.randn(4, 11).log_softmax(-1)
+    level_q = [torch.randn(4, 3, 11).log_softmax(-1) for _ in range(2)]
+    batch = TreeBatch(shape, torch.arange(4))
+    batch.grow(root_q)
+    batch.grow(level_q[0])
+    before = batch.tokens.clone(), batch.mask.clone()
+    going = torch.tensor([1, 3])
+    batch.grow(level_q[1][going], going)
+    alone = TreeBatch(shape, torch.tensor([1, 3]))
+    alone.grow(root_q[going])
+    alone.grow(level_q[0][going])
+    alone.grow(level_q[1][going])
+    for name in ("tokens", "parents", "scores", "mask", "log_mass"):
+        assert torch.equal(getattr(batch, name)[going], getattr(alone, name)), name
+    last = shape.level(3)
+    for stopped in (0, 2):
+        assert (batch.parents[stopped, last] == -1).all()
+        assert not batch.mask[stopped, last].any()
+        assert batch.log_mass[stopped, 3] == -math.inf
+        assert torch.equal(batch.tokens[stopped, : last.start], before[0][stopped, : last.start])
+        assert torch.equal(batch.mask[stopped], before[1][stopped])
+    assert torch.equal(batch.frontier_tokens(going), alone.frontier_tokens())
+
+
 def test_scores_do_not_underflow_over_deep_trees():
     shape = TreeShape(width=2, depth=48)
     tree = TreeBatch(shape, torch.tensor([0, 0]))

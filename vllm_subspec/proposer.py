@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.config import CUDAGraphMode, VllmConfig, get_layers_from_vllm_config
@@ -42,6 +43,12 @@ from vllm_subspec.tree_attention import TreeMask, TreePlan, TreeRows, logical_to
 from vllm_subspec.verify import TreeStep
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
+
+# CommonAttentionMetadata's per-request fields besides those a tree pass sets itself: the ones
+# its `unpadded` slices per request (vllm/v1/attention/backend.py:515-543 in 0.32.0)
+PER_REQUEST_FIELDS = ("causal", "encoder_seq_lens", "encoder_seq_lens_cpu", "dcp_local_seq_lens",
+                      "dcp_local_seq_lens_cpu_upper_bound", "is_prefilling", "req_idx",
+                      "rswa_prefix_lens", "replayssm_decode_base_cpu")
 
 
 class SubSpecProposer(DraftModelProposer):
@@ -227,10 +234,11 @@ class SubSpecProposer(DraftModelProposer):
     def draft_tree(self, cad, last_verified, next_token_ids) -> torch.Tensor | list[list[int]]:
         """Draft this step's trees: the root pass, then one pass per depth over the k frontier
         nodes. A fixed shape drafts every depth and returns [B, k*D] tokens. An auto shape asks
-        the tuner for (k, D_max), stops when one more depth no longer pays (checked every
-        `check_every` depths: each check reads the masses on the host) and returns each
-        request's tokens down to the depth worth verifying (lists; vLLM schedules what it gets;
-        empty ones, a plain decoding step, when the tuner finds drafting does not pay).
+        the tuner for (k, D_max) and, every `check_every` depths (each check reads the masses on
+        the host), which requests draft on: a request whose tree no longer pays drops out of
+        the later passes, and drafting ends when none is left. It returns each request's tokens
+        down to the depth worth verifying (lists; vLLM schedules what it gets; empty ones, a
+        plain decoding step, when the tuner finds drafting does not pay).
         """
         batch_size = cad.batch_size()
         tuner = self.tuner
@@ -251,38 +259,41 @@ class SubSpecProposer(DraftModelProposer):
         dev = root_pos.device
         arange_k = torch.arange(k, device=dev)
         block_table = cad.block_table_tensor[:batch_size]
+        active = list(range(batch_size))  # the requests still drafting (host)
+        rows = None  # their indices on the device; None while all are
+        reached = [1] * batch_size  # depths drafted, per request
+        pass_rows = []  # rows of each pass after the root's
         for d in range(1, shape.depth):
-            if adaptive and d % check_every == 0 and not tuner.keep_drafting(
-                    tree.log_mass[:, : d + 1].cpu(), k):
-                break
+            if adaptive and d % check_every == 0:
+                going = tuner.drafting_next(tree.log_mass[:, : d + 1].cpu(), k, reached)
+                if not going:
+                    break
+                if len(going) < len(active):
+                    active = going
+                    rows = torch.tensor(active, device=dev)
             level = shape.level(d)
             # stop before any node of the next level would pass max_model_len
-            if max(roots) + (d + 1) * k >= self.max_model_len:
+            if max(roots[i] for i in active) + (d + 1) * k >= self.max_model_len:
                 if plan is None:
                     tree.truncate()
                 break
-            logical = root_pos[:, None] + level.start + arange_k  # node slots L + i
-            slots = logical_to_slots(block_table, logical, self.block_size)
-            n = batch_size * k
-            self.positions[:n] = (root_pos[:, None] + d).expand(-1, k).reshape(-1)
-            step_cad = dataclasses.replace(
-                cad,
-                query_start_loc=self.arange[: batch_size + 1] * k,
-                query_start_loc_cpu=torch.from_numpy(
-                    self.token_arange_np[: batch_size + 1] * k).clone(),
-                seq_lens=(root_pos + 1 + d * k).to(cad.seq_lens.dtype),
-                num_actual_tokens=n,
-                max_query_len=k,
-                max_seq_len=min(cad.max_seq_len + d * k, self.max_model_len),
-                slot_mapping=slots.reshape(-1),
-                seq_lens_cpu_upper_bound=None,
-            )
+            root = root_pos if rows is None else root_pos[rows]
+            table = block_table if rows is None else block_table[rows]
+            slots = logical_to_slots(table, root[:, None] + level.start + arange_k,
+                                     self.block_size)  # node slots L + i
+            n = len(active) * k
+            self.positions[:n] = (root[:, None] + d).expand(-1, k).reshape(-1)
+            step_cad = self.tree_pass_metadata(cad, root, table, slots.reshape(-1), d, k,
+                                               None if rows is None else active)
             # a chain's ancestor-only mask is the causal one: the backend's result stands
-            plan_rows = TreePlan([TreeRows(i, i * k, roots[i], tree.mask[i, level, : level.stop])
-                                  for i in range(batch_size)]) if k > 1 else None
+            plan_rows = TreePlan([TreeRows(j, j * k, roots[i], tree.mask[i, level, : level.stop])
+                                  for j, i in enumerate(active)]) if k > 1 else None
             with self.tree_mask.active(plan_rows):
-                logits = self._forward_logits(step_cad, tree.frontier_tokens().reshape(-1), d)
-            tree.grow(sharpened_log_probs(logits, temperature).view(batch_size, k, -1))
+                logits = self._forward_logits(step_cad, tree.frontier_tokens(rows).reshape(-1), d)
+            tree.grow(sharpened_log_probs(logits, temperature).view(len(active), k, -1), rows)
+            pass_rows.append(n)
+            for i in active:
+                reached[i] = d + 1
         req_ids = self.runner.input_batch.req_ids[:batch_size]
         if plan is None:
             self.tree_step.store(req_ids, tree)
@@ -291,10 +302,42 @@ class SubSpecProposer(DraftModelProposer):
         self.tree_step.store(req_ids, tree, log_mass)
         if logits.is_cuda:
             torch.cuda.current_stream().synchronize()
-        tuner.observe_draft(k, batch_size, tree.grown, time.perf_counter() - start, root_seconds)
-        depths = tuner.verify_depths(log_mass, k)
+        tuner.observe_draft(k, batch_size, pass_rows, time.perf_counter() - start, root_seconds)
+        depths = tuner.verify_depths(log_mass, k, reached)
         tokens = tree.tokens[:, 1:].tolist()
         return [row[: k * d] for row, d in zip(tokens, depths)]
+
+    def tree_pass_metadata(self, cad, root, block_table, slots, d: int, k: int,
+                           active: list[int] | None):
+        """Metadata of the pass over depth-d nodes: k query tokens per request, each request's
+        context ending at its last depth-d node (slot L + d*k). root, block_table, slots: of
+        the requests drafting, which are `active` (batch indices; None: all of them), whose
+        other per-request fields are taken here."""
+        b = root.shape[0]
+        per_request = {}
+        if active is not None:  # the fields vLLM slices per request (its `unpadded`)
+            for name in PER_REQUEST_FIELDS:
+                value = getattr(cad, name)
+                if isinstance(value, torch.Tensor):
+                    per_request[name] = value[torch.tensor(active, device=value.device)]
+                elif isinstance(value, np.ndarray):
+                    per_request[name] = value[active]
+        return dataclasses.replace(
+            cad,
+            **per_request,
+            query_start_loc=self.arange[: b + 1] * k,
+            query_start_loc_cpu=torch.from_numpy(self.token_arange_np[: b + 1] * k).clone(),
+            seq_lens=(root + 1 + d * k).to(cad.seq_lens.dtype),
+            num_reqs=b,
+            num_actual_tokens=b * k,
+            max_query_len=k,
+            max_seq_len=min(cad.max_seq_len + d * k, self.max_model_len),
+            block_table_tensor=block_table,
+            slot_mapping=slots,
+            seq_lens_cpu_upper_bound=None,
+            _num_computed_tokens_cache=None,  # computed from the batch this one replaces
+            _token_to_req_indices_cache=None,
+        )
 
     def _kv_caches(self) -> list[tuple[object, torch.Tensor]]:
         """(attention impl, per-layer KV cache) of every decoder layer: the impl picks the

@@ -5,9 +5,10 @@ A tree step of B requests, width k and depth d costs (the paper's Eq. 3, with vL
     T(d) = t_other + t_pass(B) + (d - 1) * t_pass(B * k) + t_verify(B + B * k * d)
 
 seconds (the root pass drafts depth 1 from the B bonus tokens; each later pass drafts one more
-depth from the B*k frontier nodes) and emits E(d) = sum over requests of 1 + sum_{j<=d} P(the
-walk accepts a depth-j node) tokens. Everything here only decides how much to draft: the
-target verifies whatever was drafted, so no decision can change what a request outputs.
+depth from the B*k frontier nodes, fewer once requests have stopped) and emits E(d) = sum
+over requests of 1 + sum_{j<=d} P(the walk accepts a depth-j node) tokens. Everything here only
+decides how much to draft: the target verifies whatever was drafted, so no decision can change
+what a request outputs.
 
 - `LinearCost`: t_pass(rows) and t_verify(rows), fitted online as a + b * rows, per width (a
   chain's verify rows are causal and cost little; a tree's rows each need masked attention).
@@ -18,11 +19,12 @@ target verifies whatever was drafted, so no decision can change what a request o
   `RECHOOSE_EVERY` steps from per-width acceptance and the measured costs, each width explored
   first), or no draft at all when a plain decoding step, T = t_other + t_verify(B) for B tokens,
   is predicted faster (an auto depth only; one step per choice period still drafts, so the
-  statistics stay current); within a step, whether the batch drafts one more depth
-  (`keep_drafting`: the next depth's expected tokens per extra second must beat the step's rate
-  so far) and how many depths each request sends to verification (`verify_depths`: a depth
-  whose verify rows cost more than they are expected to yield is not verified; on a GPU with
-  offloading verify rows are almost free and nothing is cut).
+  statistics stay current); within a step, which requests draft one more depth
+  (`drafting_next`: a request whose next depth does not pay for its own rows drops out of the
+  later passes; the rest go on while the next depth's expected tokens per extra second beat
+  the step's rate so far) and how many depths each request sends to verification
+  (`verify_depths`: a depth whose verify rows cost more than they are expected to yield is not
+  verified; on a GPU with offloading verify rows are almost free and nothing is cut).
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ class StepPlan:
 class ShapeTuner:
     """Chooses each tree step's width and depth from online measurements (module docstring).
 
-    The proposer asks `plan_step` before drafting, `keep_drafting` after each depth, and
+    The proposer asks `plan_step` before drafting, `drafting_next` after each depth, and
     `verify_depths` at the end; it reports its time with `observe_draft`. The verify side reports
     `observe_verify` (time of the target's tree pass) and `observe_tree` (what was accepted)."""
 
@@ -255,55 +257,81 @@ class ShapeTuner:
         self.width, self.depth = best
 
     # ---- within a step: the depth --------------------------------------------------------
-    def keep_drafting(self, log_mass: torch.Tensor, width: int) -> bool:
-        """After drafting depths 1..d: draft depth d + 1 for the whole batch?
+    def _step_so_far(self, p: torch.Tensor, width: int, reached: list[int]) -> tuple[float, float]:
+        """Predicted (tokens, seconds) of a step whose request i has drafted reached[i] depths.
+        p: [B, >= max(reached)] P(depth j + 1 accepted), from calibration.predict."""
+        b = len(reached)
+        depth = torch.tensor(reached)
+        drafted = torch.arange(p.shape[1])[None, :] < depth[:, None]  # depth j + 1 drafted
+        tokens = b + float(p[drafted].sum())
+        # the pass over depth-t nodes drafts depth t + 1 for the requests that reached past t
+        passes = sum(self.draft_pass[width](width * int((depth > t).sum()))
+                     for t in range(1, max(reached)))
+        seconds = (self.other(0) + self.draft_pass[0](b) + passes
+                   + self.verify[width](b + width * int(depth.sum())))
+        return tokens, max(seconds, 1e-9)
 
-        log_mass: [B, d + 1] log frontier mass at depths 0..d (depth 0: the root, 0.0), CPU.
-        Yes while the next depth's expected tokens per extra second beat the step's predicted
-        tokens per second so far (adding it raises tokens/s), for the batch as a whole."""
-        b, d = log_mass.shape[0], log_mass.shape[1] - 1
+    def drafting_next(self, log_mass: torch.Tensor, width: int, reached: list[int]) -> list[int]:
+        """After drafting up to depth d = max(reached): which requests draft depth d + 1.
+
+        log_mass: [B, d + 1] log frontier mass at depths 0..d (depth 0: the root, 0.0; -inf past
+        a request's own depth), CPU. reached: [B] the depth each request has drafted; those at d
+        are the candidates. A candidate goes on while its next depth's expected tokens pay for
+        its own rows (k draft rows and k verify rows, at the step's predicted rate so far): one
+        whose tree has lost the target drops out, and the others' passes get cheaper. Where rows
+        cost nothing (a GPU's passes and verify are flat in rows) nobody drops out. Then the
+        ones left go on together while their expected tokens per extra second (one more pass
+        over their rows and the verify of those rows) beat the step's rate so far. Returns
+        their indices; [] ends the step's drafting."""
+        d = log_mass.shape[1] - 1
         p = self.calibration.predict(log_mass.exp())  # [B, d + 1]: P(depth j + 1 accepted)
-        tokens = b + float(p[:, :d].sum())
-        seconds = self.step_seconds(width, d, b, b * width * d)
-        gain = float(p[:, d].sum())
-        cost = self.draft_pass[width](b * width) + self.verify[width].per_row() * b * width
-        return gain * seconds > tokens * cost
+        tokens, seconds = self._step_so_far(p, width, reached)
+        candidates = [i for i, r in enumerate(reached) if r == d]
+        row_cost = width * (self.draft_pass[width].per_row() + self.verify[width].per_row())
+        going = [i for i in candidates if float(p[i, d]) * seconds > tokens * row_cost]
+        gain = float(p[going, d].sum())
+        rows = width * len(going)
+        cost = self.draft_pass[width](rows) + self.verify[width].per_row() * rows
+        return going if going and gain * seconds > tokens * cost else []
 
-    def verify_depths(self, log_mass: torch.Tensor, width: int) -> list[int]:
-        """How many depths of each request's tree to verify: trailing depths whose verify rows
-        cost more than they are expected to yield at the step's rate are left out.
-        log_mass: [B, d + 1] as in keep_drafting, d the depth drafted."""
+    def verify_depths(self, log_mass: torch.Tensor, width: int,
+                      reached: list[int] | None = None) -> list[int]:
+        """How many depths of each request's tree to verify: at most its drafted depth, less
+        trailing depths whose verify rows cost more than they are expected to yield at the
+        step's rate. log_mass: [B, d + 1] as in drafting_next; reached: each request's drafted
+        depth (default: all d)."""
         b, d = log_mass.shape[0], log_mass.shape[1] - 1
+        reached = [d] * b if reached is None else reached
         row_cost = self.verify[width].per_row() * width
         if row_cost <= 0 or not self.auto_depth:
-            return [d] * b
+            return list(reached)
         p = self.calibration.predict(log_mass.exp())
-        rate = (b + float(p[:, :d].sum())) / max(self.step_seconds(width, d, b, b * width * d),
-                                                1e-9)
-        pays = p[:, :d] > rate * row_cost  # [B, d]: depth j + 1 pays for its rows
+        tokens, seconds = self._step_so_far(p, width, reached)
+        pays = p[:, :d] > tokens / seconds * row_cost  # [B, d]: depth j + 1 pays for its rows
         depths = []
-        for row in pays.tolist():
-            keep = d
+        for row, keep in zip(pays.tolist(), reached):
             while keep > 1 and not row[keep - 1]:
                 keep -= 1
             depths.append(keep)
         return depths
 
     # ---- measurements --------------------------------------------------------------------
-    def observe_draft(self, width: int, batch_size: int, depth: int, seconds: float,
+    def observe_draft(self, width: int, batch_size: int, pass_rows: list[int], seconds: float,
                       root_seconds: float | None = None) -> None:
-        """A step's drafting time: the root pass (B rows) and depth - 1 passes (B*k rows)."""
+        """A step's drafting time: the root pass (B rows), then one pass per later depth over
+        pass_rows[t] rows (B*k, fewer once requests drop out). The later passes are timed
+        together: one observation at their mean row count (exact for a linear cost)."""
+        n = len(pass_rows)
+        mean_rows = sum(pass_rows) / n if n else 0.0
         if root_seconds is not None:
             self.draft_pass[0].add(batch_size, root_seconds)
-            if depth > 1:
-                self.draft_pass[width].add(batch_size * width,
-                                           (seconds - root_seconds) / (depth - 1))
+            if n:
+                self.draft_pass[width].add(mean_rows, (seconds - root_seconds) / n)
         else:  # one timing for all passes: rows-weighted split
-            rows = batch_size + (depth - 1) * batch_size * width
+            rows = batch_size + sum(pass_rows)
             self.draft_pass[0].add(batch_size, seconds * batch_size / rows)
-            if depth > 1:
-                self.draft_pass[width].add(batch_size * width,
-                                           seconds * batch_size * width / rows)
+            if n:
+                self.draft_pass[width].add(mean_rows, seconds * mean_rows / rows)
 
     def observe_verify(self, width: int, rows: int, seconds: float) -> None:
         self.verify[width].add(rows, seconds)

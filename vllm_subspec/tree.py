@@ -57,35 +57,38 @@ class TreeBatch:
         self.log_mass[:, 0] = 0.0
         self.grown = 0  # depths filled so far
 
-    def grow(self, log_q: torch.Tensor) -> None:
+    def grow(self, log_q: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Add the next depth from the draft's log-probabilities at the current frontier.
 
-        log_q: [B, V] at the root for depth 1, else [B, k, V] at the k frontier nodes. Keeps the
-        global top-k of score(parent) + log q(token | parent) over all k*V candidates.
+        log_q: [R, V] at the root for depth 1, else [R, k, V] at the k frontier nodes of the R
+        requests in `rows` (indices, default all B). Keeps the global top-k of
+        score(parent) + log q(token | parent) over all k*V candidates. A request left out has
+        stopped: its nodes at this depth stay parentless and its mass -inf (never verified).
         """
         k = self.shape.width
         d = self.grown + 1
+        sel = slice(None) if rows is None else rows
+        r, dev = log_q.shape[0], log_q.device
         if d == 1:
             assert log_q.dim() == 2
             cand = log_q.float()
-            parent_nodes = torch.zeros(log_q.shape[0], 1, dtype=torch.int64, device=log_q.device)
+            parent_nodes = torch.zeros(r, 1, dtype=torch.int64, device=dev)
         else:
             frontier = self.shape.level(d - 1)
-            cand = (self.scores[:, frontier].unsqueeze(-1) + log_q.float()).flatten(1)
-            parent_nodes = torch.arange(frontier.start, frontier.stop, device=log_q.device)
-            parent_nodes = parent_nodes.expand(log_q.shape[0], -1)
+            cand = (self.scores[sel, frontier].unsqueeze(-1) + log_q.float()).flatten(1)
+            parent_nodes = torch.arange(frontier.start, frontier.stop, device=dev).expand(r, -1)
         vocab = log_q.shape[-1]
         top, flat = cand.topk(k, dim=-1)  # sorted: best first
         parent = parent_nodes.gather(1, torch.div(flat, vocab, rounding_mode="floor"))
         level = self.shape.level(d)
-        self.tokens[:, level] = flat % vocab
-        self.parents[:, level] = parent
-        self.scores[:, level] = top
-        self.log_mass[:, d] = torch.logsumexp(top, dim=-1)
-        rows = self.mask.gather(1, parent.unsqueeze(-1).expand(-1, -1, self.shape.num_nodes))
-        ids = torch.arange(level.start, level.stop, device=log_q.device)
-        rows[:, torch.arange(k), ids] = True
-        self.mask[:, level] = rows
+        self.tokens[sel, level] = flat % vocab
+        self.parents[sel, level] = parent
+        self.scores[sel, level] = top
+        self.log_mass[sel, d] = torch.logsumexp(top, dim=-1)
+        masks = self.mask[sel].gather(1, parent.unsqueeze(-1).expand(-1, -1, self.shape.num_nodes))
+        ids = torch.arange(level.start, level.stop, device=dev)
+        masks[:, torch.arange(k), ids] = True
+        self.mask[sel, level] = masks
         self.grown = d
 
     def truncate(self) -> None:
@@ -96,9 +99,9 @@ class TreeBatch:
             self.mask[:, ids, ids] = True
         self.grown = self.shape.depth
 
-    def frontier_tokens(self) -> torch.Tensor:
-        """[B, k] tokens at the deepest grown level."""
-        return self.tokens[:, self.shape.level(self.grown)]
+    def frontier_tokens(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, k] tokens at the deepest grown level of the requests in `rows` (default all)."""
+        return self.tokens[slice(None) if rows is None else rows, self.shape.level(self.grown)]
 
 
 def sharpened_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
