@@ -26,6 +26,8 @@ def test_defaults_and_roundtrip():
     ({"tree_depth": 16}, (6, 16), (True, False)),       # fixed depth, width tuned
     ({"tree_width": 6, "tree_depth": 16}, (6, 16), (False, False)),  # fixed: as before
     ({"tree_width": 1}, (1, 16), (False, False)),       # a chain keeps a fixed depth
+    ({"tree_width": 6, "max_tree_depth": 48}, (6, 48), (False, True)),  # a deeper bound
+    ({"max_tree_depth": 8}, (6, 8), (True, True)),      # vLLM then reserves 6 * 8 tokens
 ])
 def test_auto_and_fixed_shapes(raw, shape, auto):
     opts = SubSpecOptions.from_dict(raw)
@@ -64,6 +66,12 @@ def test_chain_shorthand():
     ({"substitute_layers": [-1]}, "non-negative"),
     ({"kernel": "int4_cpu", "bits": 3}, "needs bits=4"),
     ({"quantizer": "gptq"}, "quantizer must be one of"),
+    ({"max_tree_depth": 0}, "max_tree_depth must be an integer in [1, 64]"),
+    ({"max_tree_depth": "48"}, "max_tree_depth must be an integer in [1, 64]"),
+    ({"tree_depth": 16, "max_tree_depth": 48}, 'bounds "tree_depth": "auto" only'),
+    ({"num_speculative_tokens": 4, "max_tree_depth": 8}, 'bounds "tree_depth": "auto" only'),
+    ({"tree_width": 1, "max_tree_depth": 8}, 'bounds "tree_depth": "auto" only'),
+    ({"tree_width": 16, "max_tree_depth": 48}, "at most 512"),
 ])
 def test_bad_options_are_rejected(raw, fragment):
     with pytest.raises(SubSpecConfigError) as e:

@@ -67,7 +67,8 @@ class SubSpecOptions:
     tree_width: int = DEFAULT_TREE_WIDTH
     """k: tree nodes kept per depth (1 = chain drafting); with auto_width, the widest allowed."""
     tree_depth: int = AUTO_MAX_DEPTH["cpu"]
-    """D: draft depth; with auto_depth, the deepest allowed (AUTO_MAX_DEPTH)."""
+    """D: draft depth; with auto_depth, the deepest allowed ("max_tree_depth", by default
+    AUTO_MAX_DEPTH)."""
     auto_width: bool = True
     """"tree_width": "auto" (the default): the shape tuner picks k per step."""
     auto_depth: bool = True
@@ -115,7 +116,7 @@ class SubSpecOptions:
         if self.auto_width:  # fields a user cannot set; the "auto" values say it
             d["tree_width"] = AUTO
         if self.auto_depth:
-            d["tree_depth"] = AUTO
+            d["tree_depth"], d["max_tree_depth"] = AUTO, self.tree_depth
         del d["auto_width"], d["auto_depth"]
         if isinstance(self.substitute_layers, tuple):
             d["substitute_layers"] = list(self.substitute_layers)
@@ -127,7 +128,7 @@ class SubSpecOptions:
         `num_speculative_tokens: D` is the chain shorthand for tree_width 1, tree_depth D."""
         raw = {k.replace("-", "_"): v for k, v in raw.items()}
         known = ({f.name for f in dataclasses.fields(cls)} - {"auto_width", "auto_depth"}
-                 | {"num_speculative_tokens"})
+                 | {"num_speculative_tokens", "max_tree_depth"})
         unknown = sorted(set(raw) - known)
         if unknown:
             raise SubSpecConfigError(
@@ -146,8 +147,10 @@ class SubSpecOptions:
         raw["auto_width"] = width in (AUTO, None)
         raw["auto_depth"] = depth in (AUTO, None) and width != 1
         raw["tree_width"] = DEFAULT_TREE_WIDTH if raw["auto_width"] else width
+        max_depth = raw.pop("max_tree_depth", None)
         if depth in (AUTO, None):
-            depth = AUTO_MAX_DEPTH[platform] if raw["auto_depth"] else DEFAULT_TREE_DEPTH[platform]
+            depth = ((max_depth or AUTO_MAX_DEPTH[platform]) if raw["auto_depth"]
+                     else DEFAULT_TREE_DEPTH[platform])
         raw["tree_depth"] = depth
         if raw["tree_width"] * raw["tree_depth"] > MAX_TREE_NODES:
             raise SubSpecConfigError(
@@ -184,6 +187,14 @@ def _problems(raw: dict[str, Any]) -> list[str]:
                 not _is_int(v) or not 1 <= v <= hi):
             auto = "" if name == "num_speculative_tokens" else f' or "{AUTO}"'
             p.append(f"{name} must be an integer in [1, {hi}]{auto}, got {v!r}")
+    max_depth = get("max_tree_depth")
+    if max_depth is not None:
+        if not _is_int(max_depth) or not 1 <= max_depth <= MAX_DEPTH:
+            p.append(f"max_tree_depth must be an integer in [1, {MAX_DEPTH}], got {max_depth!r}")
+        elif (get("tree_depth") not in (None, AUTO) or get("tree_width") == 1
+              or get("num_speculative_tokens") is not None):
+            p.append('max_tree_depth bounds "tree_depth": "auto" only; a fixed tree_depth or a '
+                     "chain drafts exactly its depth")
     if get("num_speculative_tokens") is not None and (
             get("tree_depth") is not None or get("tree_width") not in (None, 1)):
         p.append("num_speculative_tokens is the chain depth (tree_width=1); for a tree give "
