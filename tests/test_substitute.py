@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from decoder_stub import decoder_stub
 from torch import nn
 
@@ -45,6 +46,68 @@ def test_int4_cpu_matches_reference(weight, group_size):
     assert rel_err(fast, ref) < 1e-2  # bf16 accumulation differences only
     # 3-D activations keep their leading dims
     assert Int4CpuKernel(qw, torch.bfloat16)(x.view(1, 7, 256)).shape == (1, 7, 192)
+
+
+def test_int4_cpu_runs_its_dense_twin_from_the_crossover_row_count(weight, monkeypatch):
+    """From `dense_from_rows` rows the kernel runs a plain matmul of the same HQQ weights
+    ((q - z) * s in the activation dtype); below it, the int4 kernel. Both match the reference
+    to bf16 rounding. Without a draft row bound or where dense never wins, no twin is kept."""
+    import vllm_subspec.substitute as substitute
+
+    qw = quantize(weight, bits=4, group_size=64)
+    int4_only = Int4CpuKernel(qw, torch.bfloat16)
+    assert int4_only.dense is None and len(int4_only.tensors()) == 2
+    monkeypatch.setattr(substitute, "dense_crossover", lambda *args: 4)
+    twin = Int4CpuKernel(qw, torch.bfloat16, max_rows=64)
+    assert twin.dense_from_rows == 4 and twin.dense.dtype == torch.bfloat16
+    assert torch.equal(twin.dense, qw.dequantize(torch.bfloat16))
+    assert any(t is twin.dense for t in twin.tensors())  # counted in the memory used
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        y = twin(x)
+        expected = F.linear(x, twin.dense) if rows >= 4 else int4_only(x)
+        assert torch.equal(y, expected), rows
+        assert rel_err(y, ReferenceKernel(qw, torch.bfloat16)(x)) < 1e-2
+    monkeypatch.setattr(substitute, "dense_crossover", lambda *args: None)
+    assert Int4CpuKernel(qw, torch.bfloat16, max_rows=64).dense is None
+
+
+@pytest.mark.parametrize("wins, expected", [
+    ([False, False, True, True], 4),
+    ([True, False, True, True], 4),   # a win below a loss is not a crossover
+    ([False, False, False, False], None),
+    ([True, True, True, False], None),  # lost at the most rows timed
+    ([True, True, True, True], 1),
+])
+def test_crossover_is_where_dense_wins_from_then_on(wins, expected):
+    from vllm_subspec.substitute import crossover_rows
+
+    assert crossover_rows([1, 2, 4, 8], wins) == expected
+
+
+def test_dense_crossover_is_timed_once_per_shape():
+    from vllm_subspec.substitute import dense_crossover
+
+    dense_crossover.cache_clear()
+    first = dense_crossover(64, 128, 64, torch.bfloat16, 8)
+    assert first in (None, 1, 2, 4, 6, 8)
+    assert dense_crossover(64, 128, 64, torch.bfloat16, 8) == first
+    assert dense_crossover.cache_info().hits == 1
+
+
+def test_only_the_auto_kernel_choice_keeps_a_dense_twin(weight, monkeypatch):
+    import vllm_subspec.substitute as substitute
+    from vllm_subspec.substitute import substitute_from_quantized
+
+    monkeypatch.setattr(substitute, "dense_crossover", lambda *args: 2)
+    qw = quantize(weight, bits=4, group_size=64)
+    linear = torch.nn.Linear(256, 192, bias=False).to(torch.bfloat16)
+    auto = substitute_from_quantized(qw, linear, CPU, "auto", max_rows=32)
+    forced = substitute_from_quantized(qw, linear, CPU, "int4_cpu", max_rows=32)
+    unbounded = substitute_from_quantized(qw, linear, CPU, "auto")
+    assert auto.kernel.dense is not None
+    assert forced.kernel.dense is None and unbounded.kernel.dense is None
+    assert auto.nbytes() > forced.nbytes()
 
 
 @pytest.mark.parametrize("method", ["rtn", "hqq"])
@@ -265,7 +328,8 @@ def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(vllm_capl
 
     from vllm_subspec.draft_model import SubstituteSet, attach_substitutes
 
-    cfg = SimpleNamespace(offload_config=OffloadConfig())
+    cfg = SimpleNamespace(offload_config=OffloadConfig(),
+                          scheduler_config=SimpleNamespace(max_num_seqs=4))
     model = _model(num_layers=3, h=128)
     with vllm_caplog.at_level("INFO", logger="vllm.vllm_subspec.draft_model"):
         attach_substitutes(model, SubSpecOptions(quantizer="rtn"), cfg, CPU)

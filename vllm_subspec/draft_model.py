@@ -130,7 +130,9 @@ def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
         logger.warning(
             "vllm-subspec: substitute_layers=%r selected no layer; the draft is the "
             "full-precision target", options.substitute_layers)
-    subs = build_substitutes(model, chosen, options, device)
+    # a draft pass has at most one row per request (chain, root) or k (tree levels)
+    max_rows = vllm_config.scheduler_config.max_num_seqs * max(options.widths)
+    subs = build_substitutes(model, chosen, options, device, max_rows=max_rows)
     subs.attach_to(model)  # the layout is logged once the KV cache is sized (the proposer)
 
 
@@ -147,11 +149,12 @@ LM_HEAD, LM_HEAD_INDEX = ("lm_head",), -1  # the lm_head's job id and cache inde
 
 
 def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSpecOptions,
-                      device: torch.device, cache="auto") -> SubstituteSet:
+                      device: torch.device, cache="auto", max_rows: int = 0) -> SubstituteSet:
     """Quantize the linears of the chosen layers. Called on freshly loaded target weights.
 
     cache: a `SubstituteCache`, None (build everything), or "auto": the cache for the model of
-    the current vLLM config (`substitute_cache` option), if any."""
+    the current vLLM config (`substitute_cache` option), if any. max_rows: the most rows a draft
+    pass can send (the CPU kernel's choice per row count, `substitute.Int4CpuKernel`)."""
     from vllm_subspec.substitute_cache import cache_for_current_model, quantized_weights
 
     if cache == "auto":
@@ -166,7 +169,7 @@ def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSp
     for job, linear, qw in quantized_weights(jobs, options, device, cache):
         sub = substitute_from_quantized(
             qw, linear, device, options.kernel,
-            name="lm_head" if job == LM_HEAD else f"layers.{job[0]}.{job[1]}")
+            name="lm_head" if job == LM_HEAD else f"layers.{job[0]}.{job[1]}", max_rows=max_rows)
         if job == LM_HEAD:  # an extra copy: the target keeps its own for verification
             subs.lm_head = sub
             continue

@@ -7,7 +7,8 @@ kernel so it drops into a vLLM decoder layer where a `LinearBase` was (it return
 Kernels:
 - `Int4CpuKernel`: `aten._weight_int4pack_mm_for_cpu`. tinygemm computes (q - 8)*s + z_tg and
   HQQ (q - z)*s, so z_tg = (8 - z)*s carries HQQ's fractional zeros (s and z_tg are stored in
-  the activation dtype).
+  the activation dtype). From the row count where a dense matmul of the same HQQ weights is
+  faster (timed per shape at start-up), a dense twin runs instead.
 - `GemliteKernel`: GemLite A16W4 (CUDA only; gemlite is imported lazily, never on CPU).
 - `ReferenceKernel`: dequantize + matmul on every call; the oracle for tests, any bit width.
 """
@@ -15,6 +16,7 @@ Kernels:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -99,6 +101,12 @@ def _quantize_block(weight: torch.Tensor, bits: int, group_size: int, method: st
 
 
 class Int4CpuKernel:
+    """tinygemm int4 on CPU, with an optional dense twin: HQQ's weights dequantized once into
+    the activation dtype, used from the row count where a plain matmul is faster than the int4
+    kernel (`dense_from_rows`, measured per weight shape). Both paths compute x @ W.T with the
+    same HQQ weights (the twin holds (q - z) * s rounded to the activation dtype), so they
+    differ by rounding only; either way the draft only proposes."""
+
     name = "int4_cpu"
 
     @staticmethod
@@ -116,7 +124,9 @@ class Int4CpuKernel:
     # precision shapes proposals only, never the verified output.
     compute_dtype = torch.bfloat16
 
-    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, max_rows: int = 0):
+        """max_rows: the most rows a draft pass can send (0: the int4 kernel only). A dense
+        twin is kept when it is faster than int4 at some row count up to there."""
         n, k = qw.shape
         self.out_features, self.in_features = n, k
         self.group_size = qw.group_size
@@ -130,20 +140,80 @@ class Int4CpuKernel:
             torch.stack([qw.scale, zero_tg], -1).transpose(0, 1).contiguous()
             .to(self.act_dtype)
         )
+        self.dense_from_rows = dense_crossover(n, k, qw.group_size, self.act_dtype, max_rows) \
+            if max_rows > 0 else None
+        self.dense = qw.dequantize(self.act_dtype) if self.dense_from_rows is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2, self.packed, self.group_size, self.scales_and_zeros
-        )
+        if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
+            y = F.linear(x2, self.dense)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.packed, self.group_size, self.scales_and_zeros
+            )
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.scales_and_zeros]
+        return [self.packed, self.scales_and_zeros] + ([self.dense] if self.dense is not None
+                                                       else [])
 
     @staticmethod
     def warm_up_key(m: int) -> None:
         return None  # an aten op: nothing is compiled per row count
+
+
+# Row counts timed to find where a dense matmul overtakes the int4 kernel; past the last, the
+# faster at the last is assumed (a dense matmul's advantage grows with rows).
+CROSSOVER_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+TIMED_MAX_N = 32768
+
+
+@functools.lru_cache(maxsize=64)
+def dense_crossover(n: int, k: int, group_size: int, dtype: torch.dtype,
+                    max_rows: int) -> int | None:
+    """The fewest rows from which a dense [n, k] matmul beats the int4 kernel at every timed
+    row count up to max_rows (None: never there). Timed once per shape in this process (best
+    of 3, random weights: the time depends on the shape only), on at most TIMED_MAX_N output
+    features (both kernels' time is linear in n; a vocabulary-sized lm_head would take ~20 s)."""
+    import time
+
+    n = min(n, TIMED_MAX_N)
+    qw = QuantizedWeight(codes=torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                         scale=torch.rand(n, k // group_size) / 8,
+                         zero=torch.rand(n, k // group_size) * 15, bits=4,
+                         group_size=group_size)
+    int4 = Int4CpuKernel(qw, dtype)
+    dense = qw.dequantize(dtype)
+
+    def best(fn, x) -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn(x)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    rows = [m for m in CROSSOVER_ROWS if m <= max_rows] or [max_rows]
+    dense_wins = []
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, k, dtype=dtype)
+            dense_wins.append(best(lambda v: F.linear(v, dense), x) < best(int4, x))
+    crossover = crossover_rows(rows, dense_wins)
+    logger.debug("vllm-subspec: int4 vs dense [%d, %d]: dense from %s rows", n, k, crossover)
+    return crossover
+
+
+def crossover_rows(rows: list[int], dense_wins: list[bool]) -> int | None:
+    """The first of the row counts from which the dense matmul won at every one timed (a win
+    below a loss is noise or a quirk, not a crossover); None if it lost at the last."""
+    crossover = None
+    for m, wins in zip(reversed(rows), reversed(dense_wins)):
+        if not wins:
+            break
+        crossover = m
+    return crossover
 
 
 class ReferenceKernel:
@@ -326,9 +396,15 @@ def build_substitute_linear(linear: torch.nn.Module, device: torch.device, bits:
 
 def substitute_from_quantized(qw: QuantizedWeight, linear: torch.nn.Module,
                               device: torch.device, kernel: str,
-                              name: str = "") -> SubstituteLinear:
-    """The substitute for `linear` from its (built or cached) quantized weight."""
-    built = choose_kernel(qw, device, kernel)(qw, linear.weight.dtype)
+                              name: str = "", max_rows: int = 0) -> SubstituteLinear:
+    """The substitute for `linear` from its (built or cached) quantized weight. max_rows: the
+    most rows a draft pass can send; with kernel "auto" on CPU, the int4 kernel then keeps a
+    dense twin where a dense matmul is faster at some of those row counts."""
+    cls = choose_kernel(qw, device, kernel)
+    if cls is Int4CpuKernel and kernel == "auto":
+        built = cls(qw, linear.weight.dtype, max_rows)
+    else:
+        built = cls(qw, linear.weight.dtype)
     bias = getattr(linear, "bias", None)
     return SubstituteLinear(built, None if bias is None else bias.data.to(device), name,
                             in_features=qw.shape[1])
