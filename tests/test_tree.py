@@ -214,3 +214,26 @@ def test_kv_compaction_moves_the_accepted_path(cache):
     # untouched prefix
     k0, _ = layout.gather(block_table[torch.arange(5) // BS].long() * BS + torch.arange(5) % BS)
     assert torch.equal(k0, keys[:5])
+
+
+def test_a_subset_pass_slices_every_per_request_field_vllm_slices():
+    """A draft pass over the requests still drafting (proposer.tree_pass_metadata) must slice
+    every per-request field of vLLM's CommonAttentionMetadata; vLLM's own `unpadded` names
+    them (it slices each to num_actual_reqs). The fields the pass sets itself are excluded."""
+    import inspect
+    import re
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_subspec.proposer import PER_REQUEST_FIELDS
+
+    source = inspect.getsource(CommonAttentionMetadata.unpadded)
+    sliced = set(re.findall(r"maybe_slice_reqs\(self\.(\w+)\)", source))
+    sliced |= set(re.findall(r"self\.(\w+)\[:\s*num_actual_reqs\]", source))
+    sliced |= set(re.findall(r"self\.(\w+)\[:num_actual_reqs\]", source))
+    if "self.causal[:num_actual_reqs]" in source:
+        sliced.add("causal")
+    set_by_the_pass = {"query_start_loc", "query_start_loc_cpu", "seq_lens",
+                       "block_table_tensor", "seq_lens_cpu_upper_bound"}
+    assert len(sliced) >= 10  # the pattern still finds vLLM's slicing
+    assert sliced - set_by_the_pass <= set(PER_REQUEST_FIELDS), sliced - set(PER_REQUEST_FIELDS)
