@@ -126,20 +126,23 @@ def markdown(report: dict) -> str:
              f"{report['prompts']} MT-Bench first turns, one at a time, ≤{report['max_tokens']} "
              "tokens, greedy, bf16, every layer HQQ 4-bit (vLLM CPU backend). τ: vLLM's "
              "accepted + 1 per verify step that drafted; tokens / step: emitted tokens per "
-             "decode step, drafting or not (a step's drafts that max_tokens cuts are not "
-             "emitted). Draft passes: every draft forward, also of a request's last step. "
+             "drafter call (one per decode step, drafting or not, and one after each "
+             "request's prefill; a step's drafts that max_tokens cuts are not emitted). Draft "
+             "passes: every draft forward, also of a request's last step. Steps: drafter "
+             "calls (vLLM verify steps that had drafts). "
              "PROJECTED speed-up: benchmarks/projection.py from the row's tokens / step and "
              "draft passes / step, for " + report["gpu_costs"].split(":")[0] + ".", "",
-             "| run | τ | tokens / step | draft passes / step | draft passes / token | "
+             "| run | steps | τ | tokens / step | draft passes / step | draft passes / token | "
              "tokens / step vs fixed | passes / token vs fixed | tok/s (CPU) | PROJECTED "
-             "speed-up |", "|---|---|---|---|---|---|---|---|---|"]
+             "speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["runs"].items():
         rel = (f"{r['tokens_per_step'] / fixed['tokens_per_step']:.1%} | "
                f"{r['draft_passes_per_token'] / fixed['draft_passes_per_token'] - 1:+.0%}"
                if fixed else "- | -")
         speedup = projected_speedup(r["tokens_per_step"], r["draft_passes_per_step"],
                                     GpuSetting())
-        lines.append(f"| {name} | {r['tau']:.2f} | {r['tokens_per_step']:.2f} | "
+        lines.append(f"| {name} | {r['steps']} ({r['drafting_steps']}) | {r['tau']:.2f} | "
+                     f"{r['tokens_per_step']:.2f} | "
                      f"{r['draft_passes_per_step']:.1f} | {r['draft_passes_per_token']:.2f} | "
                      f"{rel} | {r['tokens_per_second']:.2f} | {speedup:.1f}x |")
     lines += ["", "PROJECTED GPU costs: the tuner was given, not measured, "
@@ -196,6 +199,10 @@ def main():
         print(f"{run_name}: τ {r['tau']:.2f}, {r['draft_passes_per_token']:.2f} passes/token, "
               f"{r['tokens_per_second']:.2f} tok/s ({time.time() - t0:.0f} s)", flush=True)
         out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, out)
+
+
+def write_report(report: dict, out: Path) -> None:
     out.with_suffix(".md").write_text(markdown(report))
     plot(report, out.with_suffix(".png"))
     print(markdown(report))
