@@ -78,12 +78,8 @@ def _give_gpu_costs(worker, draft_pass_s: float, verify_s: float) -> None:
     tuner.other = ProjectedCost(0.0)
 
 
-def _counters(worker) -> dict:
-    drafter = worker.model_runner.drafter
-    return {"draft_passes": drafter.draft_passes, "draft_calls": drafter.draft_calls}
-
-
 def run(model: str, spec: dict, costs: str | None, prompts, params, engine_kwargs) -> dict:
+    from cpu_speed import drafter_counters
     from projection import GpuSetting
     from vllm import LLM
 
@@ -97,9 +93,9 @@ def run(model: str, spec: dict, costs: str | None, prompts, params, engine_kwarg
             llm.collective_rpc(_give_gpu_costs,
                                args=(gpu.draft_pass_ms / 1e3, gpu.target_ms(True) / 1e3))
         timed_generate(llm, prompts[:1], params)  # warm-up: the width's first full-depth tree
-        before = llm.collective_rpc(_counters)[0]
+        before = llm.collective_rpc(drafter_counters)[0]
         r = timed_generate(llm, prompts, params, one_at_a_time=True)
-        after = llm.collective_rpc(_counters)[0]
+        after = llm.collective_rpc(drafter_counters)[0]
     finally:
         shutdown_engine(llm)
     passes = after["draft_passes"] - before["draft_passes"]

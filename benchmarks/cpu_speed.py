@@ -74,10 +74,12 @@ def mixed_prompts(n: int) -> list[str]:
     return mixed[:n]
 
 
-def _drafter_counters(worker):
+def drafter_counters(worker):
+    """The SubSpec drafter's running counters (a collective_rpc target)."""
     drafter = getattr(worker.model_runner, "drafter", None)
     tuner = getattr(drafter, "tuner", None)
     return {"draft_passes": getattr(drafter, "draft_passes", 0),
+            "draft_calls": getattr(drafter, "draft_calls", 0),
             "draft_seconds": getattr(drafter, "draft_seconds", 0.0),
             "shape": None if tuner is None else [tuner.width, tuner.depth]}
 
@@ -94,7 +96,7 @@ def run_method(model: str, spec: dict | None, prompts: list[str], max_tokens: in
               max_num_batched_tokens=16384, **CPU_ENGINE_KWARGS, **engine_kwargs)
     start_s = time.perf_counter() - t0
     is_subspec = bool(spec) and spec["method"] == "subspec"
-    counters = (lambda: llm.collective_rpc(_drafter_counters)[0]) if is_subspec else \
+    counters = (lambda: llm.collective_rpc(drafter_counters)[0]) if is_subspec else \
         (lambda: {"draft_passes": 0, "draft_seconds": 0.0, "shape": None})
     try:
         timed_generate(llm, prompts[:1], params, spec=bool(spec))  # warm-up

@@ -130,8 +130,7 @@ def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
         logger.warning(
             "vllm-subspec: substitute_layers=%r selected no layer; the draft is the "
             "full-precision target", options.substitute_layers)
-    # a draft pass has at most one row per request (chain, root) or k (tree levels)
-    max_rows = vllm_config.scheduler_config.max_num_seqs * max(options.widths)
+    max_rows = max(draft_row_counts(vllm_config.scheduler_config.max_num_seqs, options.widths))
     subs = build_substitutes(model, chosen, options, device, max_rows=max_rows)
     subs.attach_to(model)  # the layout is logged once the KV cache is sized (the proposer)
 

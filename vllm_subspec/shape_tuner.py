@@ -221,8 +221,9 @@ class ShapeTuner:
         """Predicted tokens/s of fixed-shape steps (width, depth) over `batch_size` requests."""
         reach = self.acceptance[width].reach()
         tokens = batch_size * (1.0 + float(reach[:depth].sum()))
-        return tokens / max(self.step_seconds(width, depth, batch_size, batch_size * width * depth),
-                            1e-9)
+        rows = batch_size * width
+        return tokens / self.step_seconds(width, batch_size, depth - 1, (depth - 1) * rows,
+                                          depth * rows)
 
     def plain_rate(self, batch_size: int) -> float:
         """Predicted tokens/s of plain decoding steps (no draft): one row per request, timed
@@ -232,10 +233,14 @@ class ShapeTuner:
             return 0.0
         return batch_size / max(self.other(0) + verify(batch_size), 1e-9)
 
-    def step_seconds(self, width: int, depth: int, batch_size: int, nodes: int) -> float:
-        return (self.other(0) + self.draft_pass[0](batch_size)
-                + (depth - 1) * self.draft_pass[width](batch_size * width)
-                + self.verify[width](batch_size + nodes))
+    def step_seconds(self, width: int, batch_size: int, passes: int, pass_rows: int,
+                     nodes: int) -> float:
+        """Predicted seconds of a step: the root pass over the B bonus tokens, `passes` later
+        passes over `pass_rows` rows in all (the cost is linear in rows, so each costs what a
+        pass over their mean does), and the verify of B + `nodes` rows."""
+        later = passes * self.draft_pass[width](pass_rows / passes) if passes else 0.0
+        return max(self.other(0) + self.draft_pass[0](batch_size) + later
+                   + self.verify[width](batch_size + nodes), 1e-9)
 
     def _choose(self, batch_size: int) -> None:
         widths = self.widths if self.auto_width else (self.width,)
@@ -260,16 +265,13 @@ class ShapeTuner:
     def _step_so_far(self, p: torch.Tensor, width: int, reached: list[int]) -> tuple[float, float]:
         """Predicted (tokens, seconds) of a step whose request i has drafted reached[i] depths.
         p: [B, >= max(reached)] P(depth j + 1 accepted), from calibration.predict."""
-        b = len(reached)
-        depth = torch.tensor(reached)
-        drafted = torch.arange(p.shape[1])[None, :] < depth[:, None]  # depth j + 1 drafted
-        tokens = b + float(p[drafted].sum())
-        # the pass over depth-t nodes drafts depth t + 1 for the requests that reached past t
-        passes = sum(self.draft_pass[width](width * int((depth > t).sum()))
-                     for t in range(1, max(reached)))
-        seconds = (self.other(0) + self.draft_pass[0](b) + passes
-                   + self.verify[width](b + width * int(depth.sum())))
-        return tokens, max(seconds, 1e-9)
+        b, depths = len(reached), sum(reached)
+        drafted = torch.arange(p.shape[1])[None, :] < torch.tensor(reached)[:, None]
+        tokens = b + float(p[drafted].sum())  # drafted[i, j]: request i drafted depth j + 1
+        # after the root pass, each pass drafts one more depth (k rows) of each request in it
+        seconds = self.step_seconds(width, b, max(reached) - 1, width * (depths - b),
+                                    width * depths)
+        return tokens, seconds
 
     def drafting_next(self, log_mass: torch.Tensor, width: int, reached: list[int]) -> list[int]:
         """After drafting up to depth d = max(reached): which requests draft depth d + 1.
