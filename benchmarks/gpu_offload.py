@@ -9,11 +9,21 @@ from the measured τ, draft time and host-to-device bandwidth beside the measure
 
     python benchmarks/gpu_offload.py                                  # random 7B, 8 GB limit
     python benchmarks/gpu_offload.py --model /models/Qwen2.5-7B-Instruct --memory-gb 8
+    python benchmarks/gpu_offload.py --dry-run      # no GPU needed: the engines and their plan
+
+Memory plan: both engines get the same limit. SubSpec's resident bytes include its substitutes
+and its quantized lm_head. The reserve (`--reserved-gb`) must hold vLLM's profiling peak
+(`profiling_peak_gb`: the forward over max_num_batched_tokens, the sampler warm-up over
+max_num_seqs rows, and SubSpec's tree-step warm-up and widest draft pass) plus a KV cache for
+one full-length request; `max_num_seqs` is set explicitly (vLLM's default on a >= 70 GiB GPU is
+1024, whose sampler warm-up alone outgrows a 1.5 GB reserve). A plan that does not fit is an
+error before any engine starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -44,6 +54,16 @@ def parse_args():
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--tree", default="6x48", help="KxD")
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="requests in flight at most (the prompts are run one at a time, then "
+                    "as one batch)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print each engine's settings and memory plan; start nothing")
+    ap.add_argument("--gpu-memory-gb", type=float, default=None,
+                    help="the GPU's total memory (default: read from the device; 80 in a dry "
+                    "run without one)")
     return ap.parse_args()
 
 
@@ -68,27 +88,108 @@ def h2d_bandwidth_gbps(gib: float = 1.0) -> float:
     return 3 * src.numel() / (time.perf_counter() - start) / 1e9
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    num_layers: int
+    vocab: int
+    kv_dim: int  # key/value heads x head size
+    tied_embeddings: bool
+
+    @staticmethod
+    def of(model: str) -> "ModelShape":
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(model)
+        return ModelShape(c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+                          c.vocab_size, c.hidden_size // c.num_attention_heads
+                          * c.num_key_value_heads, bool(c.tie_word_embeddings))
+
+    @property
+    def layer_gb(self) -> float:
+        """bf16 GB of one decoder layer's linears."""
+        h, kv = self.hidden, self.kv_dim
+        return 2 * (h * (h + 2 * kv) + h * h + 3 * h * self.intermediate) / 1e9
+
+    @property
+    def lm_head_gb(self) -> float:
+        return 2 * self.vocab * self.hidden / 1e9
+
+    @property
+    def weights_gb(self) -> float:
+        embeds = self.lm_head_gb * (1 if self.tied_embeddings else 2)
+        return self.num_layers * self.layer_gb + embeds
+
+    def kv_gb(self, tokens: int) -> float:
+        return 2 * 2 * self.kv_dim * self.num_layers * tokens / 1e9  # K and V, bf16
+
+
 def model_size(model: str) -> tuple[float, int, float]:
     """(bf16 weight GB, decoder layers, bf16 GB of one decoder layer) from the model's config."""
-    from transformers import AutoConfig
+    shape = ModelShape.of(model)
+    return shape.weights_gb, shape.num_layers, shape.layer_gb
 
-    c = AutoConfig.from_pretrained(model)
-    h, i, n, v = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
-    kv = h // c.num_attention_heads * c.num_key_value_heads
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i
-    embeds = v * h * (1 if c.tie_word_embeddings else 2)
-    return 2 * (n * per_layer + embeds) / 1e9, n, 2 * per_layer / 1e9
+
+# Bytes per logits element that each phase of vLLM's profiling pass holds at once (upper
+# estimates from the code): vLLM's sampler (gpu_model_runner.py 0.32.0 `_dummy_sampler_run`
+# :5927): bf16 logits, their fp32 copy, top-k/top-p's sorted fp32 values and int64 indices,
+# fp32 probabilities; the tree step's warm-up (verify.draw_target_tokens on the same call): the
+# bf16 logits, fp32 copy, temperature-scaled fp32, then the sampler's sort; the draft's widest
+# pass (proposer._run_peak_temporaries): bf16 logits, the fp32 copy, its /T and log-softmax, a
+# tree level's fp32 candidates. test_gpu_offload_plan.py measures the live bytes of the real
+# functions on CPU against these.
+SAMPLER_BYTES_PER_LOGIT = 2 + 4 + 4 + 8 + 4
+TREE_STEP_BYTES_PER_LOGIT = 2 + 4 + 4 + SAMPLER_BYTES_PER_LOGIT
+DRAFT_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 4
+
+
+def profiling_peak_gb(shape: ModelShape, max_num_seqs: int, max_num_batched_tokens: int,
+                      tree_width: int, subspec: bool) -> float:
+    """Estimated peak of the temporaries vLLM's profiling pass allocates before it sizes the KV
+    cache (what must fit in the reserve): the largest of the forward over
+    max_num_batched_tokens (bf16 activations: hidden x 4, gate-up and its product), vLLM's
+    sampler warm-up over max_num_seqs rows and, for SubSpec, the tree step's warm-up (2 rows
+    per request) and the draft's widest pass (max_num_seqs x tree_width rows)."""
+    t, v = max_num_batched_tokens, shape.vocab
+    forward = 2 * t * (4 * shape.hidden + 3 * shape.intermediate)
+    phases = [forward, max_num_seqs * v * SAMPLER_BYTES_PER_LOGIT]
+    if subspec:
+        phases += [2 * max_num_seqs * v * TREE_STEP_BYTES_PER_LOGIT,
+                   max_num_seqs * tree_width * v * DRAFT_BYTES_PER_LOGIT]
+    return max(phases) / 1e9
+
+
+def check_memory_plan(shape: ModelShape, reserved_gb: float, max_num_seqs: int,
+                      max_num_batched_tokens: int, max_model_len: int, tree_width: int,
+                      subspec: bool) -> dict:
+    """The reserve must hold the profiling peak and the KV cache of one full-length request;
+    returns the plan's numbers, raises SystemExit with them where it does not fit."""
+    peak = profiling_peak_gb(shape, max_num_seqs, max_num_batched_tokens, tree_width, subspec)
+    kv = shape.kv_gb(max_model_len)
+    plan = {"profiling_peak_gb": peak, "min_kv_gb": kv, "reserved_gb": reserved_gb,
+            "max_num_seqs": max_num_seqs}
+    if peak + kv > reserved_gb:
+        raise SystemExit(
+            f"{'SubSpec' if subspec else 'plain'} engine: the profiling peak ({peak:.2f} GB at "
+            f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}) "
+            f"plus one {max_model_len}-token KV cache ({kv:.2f} GB) exceeds the "
+            f"{reserved_gb:.2f} GB reserve: lower --max-num-seqs or raise --reserved-gb")
+    return plan
 
 
 def layers_to_offload(weights_gb: float, layer_gb: float, num_layers: int, budget_gb: float,
-                      subspec: bool, substitute_fraction: float = SUBSTITUTE_FRACTION) -> int:
+                      subspec: bool, substitute_fraction: float = SUBSTITUTE_FRACTION,
+                      lm_head_gb: float = 0.0) -> int:
     """Fewest decoder layers to put in host memory so that what stays on the GPU fits the
     budget: resident weights, plus, for SubSpec, the substitutes of the offloaded layers
-    (`substitute_fraction` of each). Like for like: both engines get the same budget, so SubSpec
-    offloads more layers than plain offloading does."""
+    (`substitute_fraction` of each) and the draft's quantized lm_head (the same fraction of
+    `lm_head_gb`, held besides the target's). Like for like: both engines get the same budget,
+    so SubSpec offloads more layers than plain offloading does."""
+    head = substitute_fraction * lm_head_gb if subspec else 0.0
     for n in range(num_layers + 1):
-        resident = weights_gb - n * layer_gb + (n * substitute_fraction * layer_gb if subspec
-                                                else 0.0)
+        resident = weights_gb - n * layer_gb + head + (n * substitute_fraction * layer_gb
+                                                       if subspec else 0.0)
         if resident <= budget_gb + 1e-9:
             return n
     raise ValueError(f"{weights_gb:.2f} GB of weights cannot fit a {budget_gb:.2f} GB budget "
@@ -121,28 +222,59 @@ def offload_kwargs(backend: str, num_layers: int, num_offload: int, layer_gb: fl
                 offload_num_in_group=in_group, offload_prefetch_step=1)
 
 
+def engine_plans(args, model: str, total_gb: float) -> dict[str, dict]:
+    """Each engine's arguments and memory plan (no GPU needed)."""
+    shape = ModelShape.of(model)
+    budget_gb = args.memory_gb - args.reserved_gb
+    width, depth = (int(x) for x in args.tree.split("x"))
+    plans = {}
+    for name in ("plain", "subspec"):
+        subspec = name == "subspec"
+        n = layers_to_offload(shape.weights_gb, shape.layer_gb, shape.num_layers, budget_gb,
+                              subspec=subspec, lm_head_gb=shape.lm_head_gb)
+        engine = dict(gpu_memory_utilization=min(0.95, args.memory_gb / total_gb),
+                      enforce_eager=False, max_model_len=args.max_model_len, dtype="bfloat16",
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_seqs=args.max_num_seqs,
+                      **offload_kwargs(args.offload_backend, shape.num_layers, n,
+                                       shape.layer_gb))
+        plans[name] = {
+            "engine": engine, "offloaded_layers": n,
+            "speculative_config": {"method": "subspec", "tree_width": width,
+                                   "tree_depth": depth} if subspec else None,
+            "memory": check_memory_plan(shape, args.reserved_gb, args.max_num_seqs,
+                                        args.max_num_batched_tokens, args.max_model_len,
+                                        width, subspec)}
+    return plans
+
+
 def main():
     args = parse_args()
+    dummy = args.model is None
+    model = args.model or random_qwen_7b()
+    if args.dry_run:
+        total_gb = args.gpu_memory_gb or 80.0
+        for name, plan in engine_plans(args, model, total_gb).items():
+            mem = plan["memory"]
+            print(f"[gpu_offload] {name} engine: {plan['offloaded_layers']} layers offloaded; "
+                  f"speculative_config={json.dumps(plan['speculative_config'])}; "
+                  f"{json.dumps(plan['engine'])}; limit {args.memory_gb:.1f} GB, reserve "
+                  f"{mem['reserved_gb']:.2f} GB >= profiling peak "
+                  f"{mem['profiling_peak_gb']:.2f} GB + one {args.max_model_len}-token KV "
+                  f"{mem['min_kv_gb']:.2f} GB")
+        return
     import torch
     from vllm import SamplingParams
 
     from subspec_testing.harness import count_identical, run_engine
 
-    dummy = args.model is None
-    model = args.model or random_qwen_7b()
-    total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    w_gb, n_layers, layer_gb = model_size(model)
-    budget_gb = args.memory_gb - args.reserved_gb
-    # Same memory limit for both engines: SubSpec's substitutes live in it, so it offloads more.
-    offload = {name: offload_kwargs(args.offload_backend, n_layers,
-                                    layers_to_offload(w_gb, layer_gb, n_layers, budget_gb,
-                                                      subspec=name == "subspec"), layer_gb)
-               for name in ("plain", "subspec")}
-    engine = dict(gpu_memory_utilization=min(0.95, args.memory_gb / total_gb),
-                  enforce_eager=False, max_model_len=4096, dtype="bfloat16",
-                  max_num_batched_tokens=8192)
+    total_gb = args.gpu_memory_gb or torch.cuda.get_device_properties(0).total_memory / 1e9
+    plans = engine_plans(args, model, total_gb)
+    w_gb = ModelShape.of(model).weights_gb
+    offload = {name: plan["offloaded_layers"] for name, plan in plans.items()}
     if dummy:
-        engine.update(load_format="dummy", skip_tokenizer_init=True)
+        for plan in plans.values():
+            plan["engine"].update(load_format="dummy", skip_tokenizer_init=True)
         g = torch.Generator().manual_seed(0)
         prompts = [{"prompt_token_ids": torch.randint(1000, 100000, (128,), generator=g).tolist()}
                    for _ in range(args.prompts)]
@@ -154,10 +286,9 @@ def main():
     width, depth = (int(x) for x in args.tree.split("x"))
     bandwidth = h2d_bandwidth_gbps()
 
-    plain = run_engine(model, prompts, params, None, **engine, **offload["plain"])
-    spec = run_engine(model, prompts, params,
-                      {"method": "subspec", "tree_width": width, "tree_depth": depth},
-                      **engine, **offload["subspec"])
+    plain = run_engine(model, prompts, params, None, **plans["plain"]["engine"])
+    spec = run_engine(model, prompts, params, plans["subspec"]["speculative_config"],
+                      **plans["subspec"]["engine"])
     steps = max(spec.draft_steps, 1)
     draft_pass_ms = 1e3 * spec.draft_seconds / steps / depth
     setting = GpuSetting(name="this GPU", weight_gb=w_gb, memory_gb=args.memory_gb,
@@ -168,7 +299,8 @@ def main():
         "command": "python " + " ".join(sys.argv),
         "model": "Qwen2.5-7B shape, random weights (tau meaningless)" if dummy else model,
         "gpu": torch.cuda.get_device_name(0), "environment": environment(),
-        "weights_gb": w_gb, "memory_limit_gb": args.memory_gb, "offload": offload,
+        "weights_gb": w_gb, "memory_limit_gb": args.memory_gb, "offloaded_layers": offload,
+        "memory_plan": {name: plan["memory"] for name, plan in plans.items()},
         "h2d_bandwidth_gbps": bandwidth,
         "plain_tokens_per_second": plain.timed.tokens_per_second,
         "subspec_tokens_per_second": spec.timed.tokens_per_second,

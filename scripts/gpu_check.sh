@@ -5,11 +5,30 @@
 #
 #   bash scripts/gpu_check.sh                       # SmolLM2 tests + random-weight Qwen2.5-7B shape
 #   MODEL=/models/Qwen2.5-7B-Instruct bash scripts/gpu_check.sh   # real τ in the benchmark
+#   bash scripts/gpu_check.sh --dry-run             # any machine: what it would start, and budgets
 #
 # Needs CUDA vLLM (0.32 or 0.33) and gemlite==0.6.0.post2: `pip install -e ".[gpu]"`.
+# --dry-run needs neither: it lists every test of tests/gpu (each starts the engines its id
+# names) and the benchmark's two engines with their memory plans, and exits non-zero when a plan
+# does not fit (CI runs it: tests/test_gpu_offload_plan.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if [ "${1:-}" = "--dry-run" ]; then
+  echo "[gpu_check] dry run: tests/gpu would run"
+  "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/gpu | grep '::' || exit 1
+  "$PY" - <<'PYEOF' || exit 1
+import sys
+sys.path.insert(0, "tests/gpu")
+from test_gpu_path import ENGINE, OFFLOAD, RESCORER
+print(f"[gpu_check] each test engine (SmolLM2, bf16, plain and SubSpec): {ENGINE}, offload "
+      f"by its id: {OFFLOAD}; the fp32 re-scoring engine: {RESCORER}")
+PYEOF
+  echo "[gpu_check] dry run: benchmarks/gpu_offload.py would start"
+  BENCH_ARGS=(--dry-run)
+  [ -n "${MODEL:-}" ] && BENCH_ARGS+=(--model "$MODEL")
+  exec "$PY" benchmarks/gpu_offload.py "${BENCH_ARGS[@]}"
+fi
 OUT=benchmarks/results
 mkdir -p "$OUT"
 "$PY" - <<'PYEOF' || { echo "[gpu_check] needs CUDA, vLLM and gemlite: pip install -e '.[gpu]'"; exit 2; }

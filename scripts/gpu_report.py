@@ -36,7 +36,8 @@ def report(tests_xml: Path, tests_rc: int, bench_json: Path, bench_rc: int) -> s
     lines += ["", f"## benchmarks/gpu_offload.py (exit {bench_rc})", ""]
     if bench_json.exists():
         b = json.loads(bench_json.read_text())
-        keys = ["command", "gpu", "model", "weights_gb", "memory_limit_gb", "offload",
+        keys = ["command", "gpu", "model", "weights_gb", "memory_limit_gb", "offloaded_layers",
+                "memory_plan",
                 "h2d_bandwidth_gbps", "plain_tokens_per_second", "subspec_tokens_per_second",
                 "measured_speedup", "tau", "draft_pass_ms", "identical", "PROJECTED_speedup"]
         lines += ["| quantity | value |", "|---|---|"]

@@ -11,7 +11,7 @@ Servers bind 127.0.0.1 only. They stay in the caller's process group (a runner t
 group kills them too) and get SIGTERM if the thread that started them dies (Linux
 PR_SET_PDEATHSIG), so a killed test run leaves no server behind. Settings default to the serving
 tests' own: float32 (greedy output does not depend on how concurrent requests happen to be
-batched), eager mode, seed 0.
+batched), eager mode (`eager=False`: vLLM's default compiled mode), seed 0.
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ def free_port(candidates: Iterable[int] | None = None) -> int:
 
 def serve_command(model: str, port: int, spec: dict | None = None, *, max_model_len: int,
                   kv_cache_bytes: int, dtype: str = "float32", seed: int = 0,
-                  extra_args: Iterable[str] = ()) -> list[str]:
+                  eager: bool = True, extra_args: Iterable[str] = ()) -> list[str]:
+    """eager=False: vLLM's default mode, as `vllm serve` users run it (on the CPU backend, the
+    model compiled with inductor and a profiling run at start-up)."""
     cmd = [shutil.which("vllm") or "vllm", "serve", model, "--host", HOST, "--port", str(port),
-           "--enforce-eager", "--dtype", dtype, "--seed", str(seed),
+           *(["--enforce-eager"] if eager else []), "--dtype", dtype, "--seed", str(seed),
            "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]

@@ -180,6 +180,98 @@ def _tuner_state(worker) -> dict:
             "widths_run": sorted(w for w, a in tuner.acceptance.items() if a.steps)}
 
 
+def test_gpu_start_sequence_walked_on_cpu_then_lossless(smollm2, prompts, plain, monkeypatch):
+    """vLLM's GPU engine start, in its order, through the runner's own code on a CPU engine
+    (default config): a GPU worker runs `profile_run` at every start, eager or not, before the
+    KV cache exists (gpu_worker.py 0.32.0 :653/:693, then `initialize_from_config` :853),
+    then CUDA-graph capture (`_warmup_and_capture`, gpu_model_runner.py :6588-6635: the
+    drafter's `dummy_run` with is_graph_capturing) and the sampler/tree-step warm-up over
+    max_num_seqs rows (gpu_worker.py :1044-1058); then the first steps. The CPU worker runs only
+    the profile in compile mode, so an eager CPU engine never walked this. The drafter must
+    write no KV in any of it (the old dummy_run wrote through its own slot buffer into the
+    placeholder caches: ValueError on CPU, IndexError in FlashAttention), and must run its
+    widest logits and top-k in the profiling pass, where vLLM measures peak memory."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
+    llm = make_llm(smollm2, {"method": "subspec"}, **FP32)
+    try:
+        walk = llm.collective_rpc(_walk_gpu_start)[0]
+        result = timed_generate(llm, prompts, GREEDY)
+    finally:
+        shutdown(llm)
+    assert walk["drafter_calls"] == [("profile", False), ("capture", True), ("warm-up", False)]
+    assert walk["kv_unchanged_by_warm_ups"]
+    # the profiling pass ran the draft's widest pass: max_num_seqs x 6 rows of logits
+    assert walk["profile_logits_rows"] == walk["max_num_seqs"] * 6
+    assert walk["sampler_warm_up_rows"] == walk["max_num_seqs"]
+    assert_identical(result.token_ids, plain[0].token_ids)
+    assert result.stats.tau > 1.5
+
+
+def _walk_gpu_start(worker) -> dict:
+    import torch
+    from vllm.config import CUDAGraphMode
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    runner = worker.model_runner
+    drafter = runner.drafter
+    ctx = runner.vllm_config.compilation_config.static_forward_context
+    attn = {n: m for n, m in ctx.items() if isinstance(m, AttentionLayerBase)}
+    calls, logits_rows, phase = [], [], ["profile"]
+    dummy_run, compute_logits, tree_step = drafter.dummy_run, drafter.model.compute_logits, \
+        runner.rejection_sampler
+
+    def recorded_dummy_run(num_tokens, use_cudagraphs=True, is_graph_capturing=False,
+                           slot_mappings=None):
+        calls.append((phase[0], is_graph_capturing))
+        return dummy_run(num_tokens, use_cudagraphs, is_graph_capturing, slot_mappings)
+
+    def recorded_logits(hidden):
+        logits_rows.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    sampler_rows = []
+
+    def recorded_tree_step(metadata, draft_probs, logits, sampling_metadata):
+        sampler_rows.append(len(metadata.num_draft_tokens))
+        return tree_step(metadata, draft_probs, logits, sampling_metadata)
+
+    drafter.dummy_run, drafter.model.compute_logits = recorded_dummy_run, recorded_logits
+    runner.rejection_sampler = recorded_tree_step
+    try:
+        # 1. before initialize_from_config: every cache is vLLM's placeholder, no KV config
+        caches = {n: m.kv_cache for n, m in attn.items()}
+        kv_config = runner.kv_cache_config
+        for m in attn.values():
+            m.kv_cache = torch.tensor([])
+        runner.kv_cache_config = None
+        try:
+            runner.profile_run()
+        finally:
+            for n, m in attn.items():
+                m.kv_cache = caches[n]
+            runner.kv_cache_config = kv_config
+        profile_rows = max(logits_rows)
+        # 2. capture, then the sampler and tree-step warm-up, as a GPU worker runs them
+        before = [c.clone() for c in runner.kv_caches]
+        phase[0] = "capture"
+        runner._dummy_run(8, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
+                          remove_lora=False, is_graph_capturing=True)
+        phase[0] = "warm-up"
+        max_reqs = min(runner.scheduler_config.max_num_seqs,
+                       runner.scheduler_config.max_num_batched_tokens)
+        _, last_hidden = runner._dummy_run(num_tokens=max_reqs, skip_eplb=True,
+                                           cudagraph_runtime_mode=CUDAGraphMode.NONE)
+        runner._dummy_sampler_run(hidden_states=last_hidden)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
+    finally:  # back to the class methods and the runner's tree step
+        del drafter.dummy_run, drafter.model.compute_logits
+        runner.rejection_sampler = tree_step
+    return {"drafter_calls": calls, "kv_unchanged_by_warm_ups": unchanged,
+            "profile_logits_rows": profile_rows,
+            "max_num_seqs": runner.scheduler_config.max_num_seqs,
+            "sampler_warm_up_rows": max(sampler_rows)}
+
+
 @pytest.mark.parametrize("spec", [
     {"method": "subspec", "tree_width": 6, "tree_depth": 8, "substitute_layers": "all"},
     {"method": "subspec"},  # auto shape

@@ -1,13 +1,28 @@
-"""benchmarks/gpu_offload.py compares plain offloading and SubSpec under the same memory limit."""
+"""benchmarks/gpu_offload.py compares plain offloading and SubSpec under the same memory limit,
+with a memory plan checked before any engine starts (and printed by `gpu_check.sh --dry-run`)."""
 
+import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from gpu_offload import layers_to_offload, offload_kwargs, prefetch_groups  # noqa: E402
+from gpu_offload import (  # noqa: E402
+    DRAFT_BYTES_PER_LOGIT,
+    QWEN25_7B,
+    ModelShape,
+    check_memory_plan,
+    layers_to_offload,
+    offload_kwargs,
+    prefetch_groups,
+    profiling_peak_gb,
+)
 from projection import SUBSTITUTE_FRACTION, GpuSetting  # noqa: E402
 
 # Qwen2.5-7B: 28 layers of 0.466 GB bf16, 15.23 GB in all; the paper's 8 GB card
@@ -68,3 +83,96 @@ def test_prefetch_groups_offload_the_fewest_layers_needed(want):
 def test_uva_bytes_cover_the_layers():
     kwargs = offload_kwargs("uva", N, 10, LAYER)
     assert kwargs["cpu_offload_gb"] * 2**30 == pytest.approx(10 * LAYER * 1e9)
+
+
+QWEN_SHAPE = ModelShape(QWEN25_7B["hidden_size"], QWEN25_7B["intermediate_size"],
+                        QWEN25_7B["num_hidden_layers"], QWEN25_7B["vocab_size"],
+                        QWEN25_7B["hidden_size"] // QWEN25_7B["num_attention_heads"]
+                        * QWEN25_7B["num_key_value_heads"], False)
+
+
+def test_qwen_shape_matches_the_published_sizes():
+    assert QWEN_SHAPE.weights_gb == pytest.approx(15.23, abs=0.01)
+    assert QWEN_SHAPE.layer_gb == pytest.approx(LAYER, abs=0.001)
+
+
+@pytest.mark.parametrize("subspec", [False, True])
+def test_the_default_benchmark_plan_fits_its_reserve(subspec):
+    """8 GB limit, 1.5 GB reserve, max_num_seqs 16 (the benchmark's defaults)."""
+    plan = check_memory_plan(QWEN_SHAPE, 1.5, 16, 8192, 4096, 6, subspec)
+    assert plan["profiling_peak_gb"] + plan["min_kv_gb"] <= 1.5
+
+
+def test_vllms_default_max_num_seqs_on_a_large_gpu_outgrows_the_reserve():
+    """vLLM defaults max_num_seqs to 1024 on a >= 70 GiB GPU: the sampler's warm-up over 1024
+    rows of a 152k vocabulary alone is 3.4 GB, and SubSpec's widest draft pass (x6 rows) more."""
+    assert profiling_peak_gb(QWEN_SHAPE, 1024, 8192, 6, subspec=False) > 1.5
+    assert profiling_peak_gb(QWEN_SHAPE, 1024, 8192, 6, subspec=True) > \
+        profiling_peak_gb(QWEN_SHAPE, 1024, 8192, 6, subspec=False)
+    with pytest.raises(SystemExit, match="lower --max-num-seqs or raise --reserved-gb"):
+        check_memory_plan(QWEN_SHAPE, 1.5, 1024, 8192, 4096, 6, subspec=True)
+
+
+def test_subspec_budget_holds_the_quantized_lm_head():
+    head = QWEN_SHAPE.lm_head_gb
+    n = layers_to_offload(W, LAYER, N, BUDGET, subspec=True, lm_head_gb=head)
+    resident = resident_gb(n, subspec=True) + SUBSTITUTE_FRACTION * head
+    assert resident <= BUDGET < resident_gb(n - 1, subspec=True) + SUBSTITUTE_FRACTION * head
+    assert n >= layers_to_offload(W, LAYER, N, BUDGET, subspec=True)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensors created inside the mode and still alive (CPU: no allocator
+    statistics). A view shares its base's storage and is not counted again."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            if ptr in inputs or ptr in self.storages or size == 0:
+                continue
+            self.storages.add(ptr)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._free, ptr, size)
+        return out
+
+    def _free(self, ptr: int, size: int) -> None:
+        self.storages.discard(ptr)
+        self.live -= size
+
+
+def test_draft_temporaries_fit_the_plans_bytes_per_logit():
+    """The draft's widest pass as `SubSpecProposer._run_peak_temporaries` runs it (sharpened
+    fp32 log-probabilities of R x k rows, then a tree level's top-k over k x V candidates),
+    measured on CPU: the plan's DRAFT_BYTES_PER_LOGIT covers it, and is not wildly loose."""
+    from vllm_subspec.tree import TreeBatch, TreeShape, sharpened_log_probs
+
+    batch, k, vocab = 4, 6, 5000
+    with torch.inference_mode(), LiveBytes() as mode:
+        logits = torch.randn(batch * k, vocab, dtype=torch.bfloat16)
+        tree = TreeBatch(TreeShape(k, 2), torch.zeros(batch, dtype=torch.int64))
+        tree.grow(sharpened_log_probs(logits[:batch], 0.2))
+        tree.grow(sharpened_log_probs(logits, 0.2).view(batch, k, -1))
+    elements = batch * k * vocab
+    assert elements * 2 * 4 < mode.peak <= elements * DRAFT_BYTES_PER_LOGIT
+
+
+def test_gpu_check_dry_run_lists_engines_and_plans_without_a_gpu():
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--dry-run"],
+                         capture_output=True, text=True, timeout=300, cwd=repo)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("test_greedy_lossless_with_offload[") == 8
+    assert "'max_num_seqs': 64" in out.stdout
+    assert "[gpu_offload] plain engine:" in out.stdout
+    assert '"max_num_seqs": 16' in out.stdout and "profiling peak" in out.stdout

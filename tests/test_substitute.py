@@ -186,9 +186,9 @@ def test_substitute_memory_is_28_percent_of_bf16():
                        if "proj" in name) * 2
     assert subs.replaced_bytes == linear_bytes
     head_bytes = model.lm_head.weight.numel() * 2
-    ratio = (subs.nbytes() - subs.lm_head.nbytes()) / subs.replaced_bytes
     # 4 bits + one bf16 scale and one bf16 zero per 64 weights = 4.5 bits = 28.1% of bf16
-    assert ratio == pytest.approx(4.5 / 16, rel=0.01)
+    assert subs.share() == pytest.approx(4.5 / 16, rel=0.01)
+    assert subs.nbytes() == subs.layer_nbytes() + subs.lm_head.nbytes()
     # the draft's own lm_head: the same 4.5 bits, held besides the target's
     assert subs.lm_head.nbytes() / head_bytes == pytest.approx(4.5 / 16, rel=0.01)
     # substitutes are not registered as submodules of the target
@@ -202,6 +202,17 @@ def test_substitute_memory_is_28_percent_of_bf16():
         {"quantizer": "rtn", "draft_lm_head": "target"}), CPU)
     assert target_head.lm_head is None
     assert "draft lm_head the target's" in target_head.layout(0)
+
+
+def test_substitute_share_compares_like_with_like_when_the_head_is_large():
+    """The GPU test's bound (tests/gpu/test_gpu_path.py: 0.25 < share < 0.32) on SmolLM2's
+    proportions, where the lm_head (49152 x 576) has as many weights as 8 of its 30 layers:
+    counting the draft's quantized head against the replaced layers reads above the bound."""
+    model = decoder_stub(num_layers=2, h=128, vocab=2048, padded_vocab=2048)
+    subs = build_substitutes(model, [0, 1], SubSpecOptions.from_dict({"quantizer": "rtn"}), CPU)
+    assert subs.lm_head is not None
+    assert 0.25 < subs.share() < 0.32
+    assert subs.nbytes() / subs.replaced_bytes > 0.32  # the old, unlike comparison
 
 
 @pytest.mark.parametrize("soft_cap", [None, 30.0])

@@ -3,7 +3,7 @@
 Users write `{"method": "subspec", ...}`. The SubSpec keys are validated here, before the engine
 starts, and travel to the engine core and workers inside `VllmConfig.additional_config["subspec"]`
 (a plain dict, so it pickles and is hashed by vLLM). vLLM itself sees `method="draft_model"` with
-the target as the "draft model" (see `patches.py` for why).
+the target as the "draft model" (see `engine_rules.translate_speculative_config` for why).
 """
 
 from __future__ import annotations

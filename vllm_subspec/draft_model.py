@@ -45,19 +45,29 @@ class SubstituteSet:
     build_seconds: float = 0.0  # quantizing or loading them, and packing the kernels
 
     def nbytes(self) -> int:
+        """Everything the draft adds: the layer substitutes and its quantized lm_head."""
         head = self.lm_head.nbytes() if self.lm_head is not None else 0
-        return head + sum(s.nbytes() for subs in self.layers.values() for s in subs.values())
+        return head + self.layer_nbytes()
+
+    def layer_nbytes(self) -> int:
+        """The decoder-layer substitutes only: what stands in for `replaced_bytes`."""
+        return sum(s.nbytes() for subs in self.layers.values() for s in subs.values())
+
+    def share(self) -> float:
+        """Layer substitute bytes per replaced target byte, like with like (the lm_head is
+        an extra copy, not a replacement): 4.5/16 for 4-bit g64 codes with a 16-bit scale
+        and zero per group."""
+        return self.layer_nbytes() / max(self.replaced_bytes, 1)
 
     def layout(self, kv_cache_bytes: int) -> str:
         """The start-up summary: which layers are shared, which substituted, what it costs."""
         chosen = sorted(self.layers)
         resident = [i for i in range(self.num_layers) if i not in self.layers]
         head = self.lm_head.nbytes() if self.lm_head is not None else 0
-        share = 100 * (self.nbytes() - head) / max(self.replaced_bytes, 1)
         head_text = f"quantized, {head / 2**30:.3f} GiB" if head else "the target's"
         return (f"vllm-subspec layout: {self.num_layers} layers; resident (shared) "
                 f"{_ranges(resident)}; substituted {_ranges(chosen)}; substitutes "
-                f"{(self.nbytes() - head) / 2**30:.3f} GiB ({share:.1f}% of the "
+                f"{self.layer_nbytes() / 2**30:.3f} GiB ({100 * self.share():.1f}% of the "
                 f"{self.replaced_bytes / 2**30:.3f} GiB they replace); draft lm_head "
                 f"{head_text}; "
                 f"KV cache {kv_cache_bytes / 2**30:.3f} GiB")

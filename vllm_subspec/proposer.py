@@ -115,15 +115,48 @@ class SubSpecProposer(DraftModelProposer):
         # The draft loops over layers eagerly (the target's compiled graph spans all layers).
         super().initialize_cudagraph_keys(CUDAGraphMode.NONE)
 
+    @torch.inference_mode()
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
                   is_graph_capturing: bool = False, slot_mappings=None) -> None:
+        """vLLM's warm-up of the drafter, called from the runner's `_dummy_run`
+        (gpu_model_runner.py 0.32.0 :5894): by `profile_run` before the KV cache exists (every
+        attention layer's `kv_cache` is still vLLM's empty placeholder and `slot_mappings` is
+        None), by `capture_model` (`is_graph_capturing`) and by later warm-ups (`slot_mappings`
+        are the runner's, filled with -1 :5685-5688, so no KV is written).
+
+        The draft's layers are the target's, so KV is written only through the slot mappings
+        vLLM hands in, as vLLM's own drafters do (`slot_mappings or {}`, llm_base_proposer.py
+        0.32.0 :1638-1645): none while the caches are placeholders. Draft passes run eagerly,
+        so there is nothing to capture. After the forward, the draft's own largest temporaries
+        are allocated once (`_run_peak_temporaries`), so that a profiling pass measures them
+        before vLLM sizes the KV cache."""
         if is_graph_capturing:
             return
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens,
                                  cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                 slot_mapping=self._get_slot_mapping(num_tokens)):
-            self.model(input_ids=self.input_ids[:num_tokens],
-                       positions=self.positions[:num_tokens])
+                                 slot_mapping=slot_mappings or {}):
+            hidden = self.model(input_ids=self.input_ids[:num_tokens],
+                                positions=self.positions[:num_tokens])
+        self._run_peak_temporaries(hidden.shape[-1], hidden.dtype)
+
+    def _run_peak_temporaries(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """The draft's widest pass past its layers, on random hidden states (as vLLM's sampler
+        warm-up uses): the logits of max_num_seqs x the widest tree's rows, their sharpened fp32
+        log-probabilities, and a tree level's top-k over k x V candidates per request (a
+        chain: the argmax). What the attention rows of a tree pass need is not included: they
+        read the KV cache, which does not exist yet."""
+        k = max(self.options.widths)
+        batch = self.vllm_config.scheduler_config.max_num_seqs
+        hidden = torch.rand(batch * k, hidden_size, dtype=dtype, device=self.device)
+        logits = self.model.compute_logits(hidden)
+        if k == 1:
+            logits.argmax(dim=-1)
+            return
+        temperature = self.options.draft_temperature
+        tree = TreeBatch(TreeShape(k, 2), torch.zeros(batch, dtype=torch.int64,
+                                                      device=self.device))
+        tree.grow(sharpened_log_probs(logits[:batch], temperature))
+        tree.grow(sharpened_log_probs(logits, temperature).view(batch, k, -1))
 
     # ---- drafting ------------------------------------------------------------------------
     def propose(

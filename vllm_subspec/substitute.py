@@ -396,16 +396,6 @@ class SubstituteLinear(torch.nn.Module):
         return f"{self.source_name}, kernel={self.kernel.name}"
 
 
-def build_substitute_linear(linear: torch.nn.Module, device: torch.device, bits: int,
-                            group_size: int, quantizer: str, kernel: str,
-                            name: str = "") -> SubstituteLinear:
-    """Quantize a loaded vLLM linear's weight (before vLLM repacks it) into a substitute that
-    lives on `device`. An offloaded weight passes through `device` one linear at a time."""
-    weight = linear.weight.data.to(device)
-    qw = quantize(weight, bits=bits, group_size=group_size, method=quantizer)
-    return substitute_from_quantized(qw, linear, device, kernel, name)
-
-
 def substitute_from_quantized(qw: QuantizedWeight, linear: torch.nn.Module,
                               device: torch.device, kernel: str,
                               name: str = "", max_rows: int = 0) -> SubstituteLinear:

@@ -9,7 +9,7 @@ Rows of other requests (prefills, plain decodes) are left exactly as the backend
 On the CPU backend the tree rows are recomputed by vLLM's own attention kernel, run as one decode
 row per tree node over a scratch paged cache that holds exactly that node's context in order
 (the prefix, then its ancestors, then itself), so every row gets the bits plain decoding would
-give that token (`_cpu_kernel_rows`). The cache layout is backend specific (`PagedKVLayout`):
+give that token (`_cpu_kernel_rows`). The cache layout is backend specific (`layout_for`):
 the CPU backend stores each block's keys transposed ([head_dim, block_size]) for its
 "vec"/"vec16" kernels, which is verified against the backend's own writer (`check_cpu_layout`)
 before first use; AMX layouts are refused. Other backends (FlashAttention) gather K/V with torch
@@ -144,8 +144,9 @@ class FlashAttentionLayout:
 def layout_for(impl, kv_cache: torch.Tensor):
     """The paged-cache reader for the attention backend `impl` that owns `kv_cache`.
 
-    Trees are only configured with the CPU backend or FlashAttention (`config.py`
-    `check_tree_attention_backend`); anything else is refused here too rather than misread."""
+    Trees are only configured with the CPU backend or FlashAttention (pinned on CUDA by
+    `engine_rules.apply_platform_rules`); anything else is refused here too rather than
+    misread."""
     name = type(impl).__name__
     if name == "CPUAttentionBackendImpl":
         return CpuVecLayout(kv_cache)

@@ -19,6 +19,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
 
 NUM_PROMPTS, NEW_TOKENS = 8, 96
+# every engine's settings (scripts/gpu_check.sh --dry-run prints them): max_num_seqs explicit,
+# since vLLM's default on a large GPU (1024) makes the profiling pass, the sampler's and the
+# tree's warm-ups over that many rows, take gigabytes
+ENGINE = dict(gpu_memory_utilization=0.3, max_model_len=2048, seed=0, max_num_seqs=64)
+RESCORER = dict(dtype="float32", gpu_memory_utilization=0.2, max_model_len=2048, seed=0,
+                enforce_eager=True, max_num_seqs=64)
 # uva: the first layers up to 0.1 GiB (SmolLM2 layers are ~8.6 MiB bf16); prefetch: 2 of every 4
 OFFLOAD = {
     "uva": dict(cpu_offload_gb=0.1),
@@ -42,8 +48,7 @@ def fp32_rescorer():
     from subspec_testing.assets import smollm2_path
     from subspec_testing.harness import shutdown_engine
 
-    llm = LLM(model=smollm2_path(), dtype="float32", gpu_memory_utilization=0.2,
-              max_model_len=2048, seed=0, enforce_eager=True)
+    llm = LLM(model=smollm2_path(), **RESCORER)
     yield llm
     shutdown_engine(llm)
     torch.cuda.empty_cache()
@@ -68,8 +73,7 @@ def _layout(worker):
         "kernels": sorted({s.kernel.name for layer in subs.layers.values()
                            for s in layer.values()}),
         "substitutes_on_gpu": bool(tensors) and all(t.is_cuda for t in tensors),
-        "substitute_bytes": subs.nbytes(),
-        "replaced_bytes": subs.replaced_bytes,
+        "substitute_share": subs.share(),  # layer substitutes per replaced byte
     }
 
 
@@ -80,7 +84,7 @@ def _generate(prompts, spec, offload, enforce_eager):
     from subspec_testing.harness import shutdown_engine
 
     llm = LLM(model=smollm2_path(), speculative_config=spec, enforce_eager=enforce_eager,
-              gpu_memory_utilization=0.3, max_model_len=2048, seed=0, **OFFLOAD[offload])
+              **ENGINE, **OFFLOAD[offload])
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         out = llm.generate(prompts, greedy, use_tqdm=False)
@@ -120,8 +124,9 @@ def test_greedy_lossless_with_offload(prompts, fp32_rescorer, offload, enforce_e
     assert layout["substituted"] == layout["offloaded"]  # offload-aware, no flag needed
     assert layout["kernels"] == ["gemlite"]
     assert layout["substitutes_on_gpu"]  # no host memory beyond plain offloading
-    # 4-bit codes + 16-bit scale and zero per 64 weights: 4.5/16 of the bf16 bytes
-    assert 0.25 < layout["substitute_bytes"] / layout["replaced_bytes"] < 0.32
+    # 4-bit codes + 16-bit scale and zero per 64 weights: 4.5/16 of the bf16 bytes (the
+    # draft's quantized lm_head is an extra copy, not counted: test_substitute.py on CPU)
+    assert 0.25 < layout["substitute_share"] < 0.32
     near_ties = assert_lossless(spec, plain, "bfloat16", fp32_rescorer, prompt_ids)
     print(f"{offload}/{method}: {len(prompts) - len(near_ties)}/{len(prompts)} identical, "
           f"near-ties {near_ties}")
