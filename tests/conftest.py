@@ -1,8 +1,17 @@
-"""Shared test fixtures. End-to-end tests run vLLM's CPU backend on SmolLM2-135M-Instruct."""
+"""Shared test fixtures. End-to-end tests run vLLM's CPU backend on SmolLM2-135M-Instruct.
+
+The tiers: `unit/` (no engine, no subprocess: synthetic inputs, the inner loop, `pytest
+tests/unit`), `integration/` (library code under the Triton interpreter or in probe processes,
+vLLM config translation, repository checks), `e2e/` (engines), `gpu/` (CUDA only), `support/`
+(stubs, shims and probes, importable by name from every tier)."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -70,6 +70,7 @@ class SubSpecProposer(DraftModelProposer):
         self.draft_calls = 0
         self.draft_passes = 0  # draft forwards (benchmarks: passes per emitted token)
         self._last_draft_end: float | None = None  # for the tuner's "rest of a step" time
+        self._peak_temporaries_profiled = False  # dummy_run: once, in vLLM's profiling pass
         self.prefetch_overlap: PrefetchOverlap | None = None  # set in load_model
 
     # ---- loading -------------------------------------------------------------------------
@@ -126,18 +127,24 @@ class SubSpecProposer(DraftModelProposer):
 
         The draft's layers are the target's, so KV is written only through the slot mappings
         vLLM hands in, as vLLM's own drafters do (`slot_mappings or {}`, llm_base_proposer.py
-        0.32.0 :1638-1645): none while the caches are placeholders. Draft passes run eagerly,
-        so there is nothing to capture. After the forward, the draft's own largest temporaries
-        are allocated once (`_run_peak_temporaries`), so that a profiling pass measures them
-        before vLLM sizes the KV cache."""
+        0.32.0 :1638-1645): none while the caches are placeholders (nor for a microbatched
+        list). Draft passes run eagerly, so there is nothing to capture. The draft's own
+        largest temporaries (`_run_peak_temporaries`) are allocated once, in the first call
+        without slot mappings: `profile_run`, which a GPU worker runs first, inside its memory
+        profiling (gpu_worker.py :678-693). Not again: the capture warm-ups would add them to
+        vLLM's CUDA-graph memory estimate a second time (which is taken from the KV cache too,
+        gpu_model_runner.py :6392-6422), and idle data-parallel steps would pay for them."""
         if is_graph_capturing:
             return
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens,
                                  cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                 slot_mapping=slot_mappings or {}):
+                                 slot_mapping=slot_mappings if isinstance(slot_mappings, dict)
+                                 else {}):
             hidden = self.model(input_ids=self.input_ids[:num_tokens],
                                 positions=self.positions[:num_tokens])
-        self._run_peak_temporaries(hidden.shape[-1], hidden.dtype)
+        if slot_mappings is None and not self._peak_temporaries_profiled:
+            self._peak_temporaries_profiled = True
+            self._run_peak_temporaries(hidden.shape[-1], hidden.dtype)
 
     def _run_peak_temporaries(self, hidden_size: int, dtype: torch.dtype) -> None:
         """The draft's widest pass past its layers, on random hidden states (as vLLM's sampler

@@ -259,7 +259,7 @@ class GemliteKernel:
     it (gemlite/helper.py:219-220) and `pack` stores the fma offset `(-z*s)` rounded back to it
     (gemlite/core.py:674). In bf16 that offset is off HQQ's fp32 value by up to ~0.04
     quantization steps (0.036 measured on a 1536x576 weight, fp16: 0.0044;
-    tests/test_gemlite_interpreter.py).
+    tests/integration/test_gemlite_interpreter.py).
     Written against gemlite 0.6.0.post2 (`gemlite.helper.A16W4_HQQ_INT.from_weights`).
     """
 
@@ -280,9 +280,9 @@ class GemliteKernel:
         # without a mask (gemm_splitK_kernels.py:438-449), also the blocks wholly past K when
         # K / BLOCK_SIZE_K is not a multiple of SPLIT_K (K=576: 9 blocks, SPLIT_K=2): an
         # out-of-bounds read whose NaN/inf reaches the output (0 * NaN; seen under the
-        # interpreter, tests/test_gemlite_interpreter.py). Back those rows with zeros, up to a
-        # multiple of 16 groups (SPLIT_K <= 16, gemm_splitK_kernels.py:170); views keep
-        # GemLite's shapes and strides.
+        # interpreter, tests/integration/test_gemlite_interpreter.py). Back those rows with
+        # zeros, up to a multiple of 16 groups (SPLIT_K <= 16, gemm_splitK_kernels.py:170);
+        # views keep GemLite's shapes and strides.
         for name in ("scales", "zeros"):
             meta = getattr(self.layer, name)
             groups = meta.shape[0]

@@ -6,8 +6,8 @@ On the CPU backend that mode compiles the model with inductor and runs `profile_
 engine runs at every start. Every other e2e module runs eager engines, which skip it. Here, fp32
 and against a plain engine in the same mode: a chain, a fixed tree, greedy and seeded sampling
 through `LLM`, and the README's quick-start configuration (`{"method": "subspec"}`) through
-`LLM()` and through `vllm serve` with the openai client. The server compiles on the other core while the in-process
-engines run.
+`LLM()` and through `vllm serve` with the openai client. The server compiles on the other core
+while the in-process engines run.
 """
 
 from concurrent.futures import ThreadPoolExecutor

@@ -1,5 +1,6 @@
 """The on-disk substitute cache: a warm start quantizes nothing, bad entries are rebuilt, the key
-covers everything that changes a substitute, and the engine uses it (SmolLM2, 120 linears)."""
+covers everything that changes a substitute (the engine using it:
+tests/e2e/test_substitute_cache_engine.py)."""
 
 import json
 import os
@@ -238,42 +239,3 @@ def test_all_threads_restores_and_threaded_hqq_is_bit_exact():
         torch.set_num_threads(before)
     for t in ("codes", "scale", "zero"):
         assert torch.equal(getattr(one, t), getattr(many, t)), t
-
-
-def _substitute_counts(worker):
-    from vllm_subspec.draft_model import SubstituteSet
-
-    subs = SubstituteSet.of(worker.model_runner.get_model())  # not .model: CUDA graphs wrap it
-    return subs.built, subs.cache_hits, sum(len(d) for d in subs.layers.values())
-
-
-@pytest.mark.e2e
-def test_engine_warm_start_builds_nothing(smollm2, tmp_path, monkeypatch):
-    """SmolLM2 (30 layers x 4 linears) with a fresh cache folder: the first engine quantizes 120
-    linears and stores them, the second loads all 120 and quantizes none; same greedy tokens."""
-    from conftest import make_llm, shutdown
-    from vllm import SamplingParams
-
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
-    root = tmp_path / "subs"
-    spec = {"method": "subspec", "num_speculative_tokens": 4, "substitute_layers": "all",
-            "quantizer": "rtn", "substitute_cache": str(root)}
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    runs = []
-    for _ in range(2):
-        llm = make_llm(smollm2, spec)
-        try:
-            counts = llm.collective_rpc(_substitute_counts)[0]
-            ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
-                                                                       use_tqdm=False)]
-        finally:
-            shutdown(llm)
-        runs.append((counts, ids))
-        if len(runs) == 1:
-            files = list(root.glob("*/*.safetensors"))
-            assert len(files) == 121  # 30 layers x 4 linears, and the draft's lm_head
-    (cold_counts, cold_ids), (warm_counts, warm_ids) = runs
-    assert cold_counts == (121, 0, 120)
-    assert warm_counts == (0, 121, 120)
-    assert warm_ids == cold_ids and all(len(t) == 24 for t in warm_ids)

@@ -3,7 +3,7 @@ preemption, 200 requests from 32 concurrent openai clients, checked against a pl
 
 Deselected by default (tens of minutes on 2 cores); run it with
 
-    python -m pytest -m soak tests/test_soak.py        # or: python benchmarks/soak.py
+    python -m pytest -m soak tests/e2e/test_soak.py        # or: python benchmarks/soak.py
 
 It writes benchmarks/results/soak.{json,md}.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 pytestmark = [pytest.mark.soak, pytest.mark.e2e]
 

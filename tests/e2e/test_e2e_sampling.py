@@ -2,19 +2,18 @@
 
 Tiny random Llama with a 64-token vocabulary, many seeded requests, SubSpec vs the plain engine,
 two-sample chi-square per generated position. Positions >= 1 come out of vLLM's rejection
-sampler; on vLLM 0.32's CPU backend they are wrong without the expand_batch_to_tokens fix.
+sampler; on vLLM 0.32's CPU backend they are wrong without the expand_batch_to_tokens fix
+(its unit tests: tests/unit/test_cpu_sampling_fix.py).
 """
 
 from collections import Counter
 
 import pytest
-import torch
 from conftest import make_llm, shutdown
 from scipy.stats import chi2_contingency
 from vllm import SamplingParams
 
 from subspec_testing.metrics import acceptance_stats
-from vllm_subspec.cpu_sampling_fix import expand_batch_to_tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -85,26 +84,6 @@ def test_drafts_are_partly_accepted(samples):
     _, _, stats = samples
     assert stats.num_drafts > 0
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-
-
-def test_cpu_expand_fix_expands_per_request_values():
-    x = torch.tensor([0.5, 0.0, 2.0])
-    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
-    out = expand_batch_to_tokens(x, cu, 6, replace_from=0.0, replace_to=1.0)
-    assert out.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 2.0]
-    assert out.dtype == x.dtype
-    ints = expand_batch_to_tokens(torch.tensor([3, 7], dtype=torch.int32),
-                                  torch.tensor([1, 3], dtype=torch.int32), 3)
-    assert ints.tolist() == [3, 7, 7] and ints.dtype == torch.int32
-
-
-def test_cpu_expand_fix_is_installed_in_vllm():
-    from vllm.v1.sample import rejection_sampler
-
-    import vllm_subspec.patches as patches
-
-    assert patches.apply_all()
-    assert rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))

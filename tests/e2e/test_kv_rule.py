@@ -18,6 +18,8 @@ from vllm import SamplingParams
 
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
 
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # probes and shims
+
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 64
 
@@ -33,11 +35,11 @@ def probe(smollm2, tmp_path_factory):
     (d / "prompts.json").write_text(json.dumps([prompts, MAX_TOKENS]))
     # the probe imports subspec_testing from the repository root (pytest's pythonpath does not
     # reach a child process)
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("kv_rule_probe.py")), smollm2,
+        [sys.executable, str(SUPPORT / "kv_rule_probe.py"), smollm2,
          str(d / "prompts.json"), str(d / "out.json")],
         env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -19,6 +19,8 @@ import pytest
 
 from subspec_testing.assets import cache_dir
 
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # probes and shims
+
 GEMLITE = "gemlite-0.6.0.post2"
 N, K, GROUP = 1536, 576, 64
 FAMILY = {1: "GEMV_REVSPLITK", 6: "GEMM_SPLITK", 60: "GEMM_SPLITK", 300: "GEMM"}
@@ -36,11 +38,11 @@ def probe(tmp_path_factory):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     tmp = tmp_path_factory.mktemp("gemlite")
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(repo),
                                                         os.environ.get("PYTHONPATH")])))
-    script = str(Path(__file__).with_name("gemlite_interpreter_probe.py"))
+    script = str(SUPPORT / "gemlite_interpreter_probe.py")
     parts = ("fp16", "bf16")  # two single-threaded children: the interpreter is CPU-bound
     procs = {part: subprocess.Popen(
         [sys.executable, script, str(target), str(tmp / f"{part}.json"), part], env=env,
@@ -141,7 +143,7 @@ def test_shim_bf16_rounding_matches_torch():
     import torch
 
     spec = importlib.util.spec_from_file_location(
-        "gemlite_shim", Path(__file__).with_name("gemlite_shim.py"))
+        "gemlite_shim", SUPPORT / "gemlite_shim.py")
     shim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(shim)  # numpy only at import: nothing is patched
     torch.manual_seed(0)

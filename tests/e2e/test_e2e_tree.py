@@ -5,6 +5,8 @@ attention kernel's own decode arithmetic, so bf16 trees are plain decoding too; 
 holds them to the project's standard (differences only at proven near-ties, > 2/3 identical).
 """
 
+from pathlib import Path
+
 import pytest
 from conftest import make_llm, shutdown
 from vllm import SamplingParams
@@ -12,6 +14,8 @@ from vllm import SamplingParams
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
 from subspec_testing.harness import first_divergence, timed_generate
 from subspec_testing.metrics import acceptance_stats
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # probes and shims
 
 pytestmark = pytest.mark.e2e
 
@@ -202,6 +206,7 @@ def test_gpu_start_sequence_walked_on_cpu_then_lossless(smollm2, prompts, plain,
     assert walk["kv_unchanged_by_warm_ups"]
     # the profiling pass ran the draft's widest pass: max_num_seqs x 6 rows of logits
     assert walk["profile_logits_rows"] == walk["max_num_seqs"] * 6
+    assert walk["draft_logits_after_profile"] == []  # only there: not at capture or warm-up
     assert walk["sampler_warm_up_rows"] == walk["max_num_seqs"]
     assert_identical(result.token_ids, plain[0].token_ids)
     assert result.stats.tau > 1.5
@@ -250,7 +255,7 @@ def _walk_gpu_start(worker) -> dict:
             for n, m in attn.items():
                 m.kv_cache = caches[n]
             runner.kv_cache_config = kv_config
-        profile_rows = max(logits_rows)
+        profile_rows, profiled = max(logits_rows), len(logits_rows)
         # 2. capture, then the sampler and tree-step warm-up, as a GPU worker runs them
         before = [c.clone() for c in runner.kv_caches]
         phase[0] = "capture"
@@ -268,6 +273,7 @@ def _walk_gpu_start(worker) -> dict:
         runner.rejection_sampler = tree_step
     return {"drafter_calls": calls, "kv_unchanged_by_warm_ups": unchanged,
             "profile_logits_rows": profile_rows,
+            "draft_logits_after_profile": logits_rows[profiled:],
             "max_num_seqs": runner.scheduler_config.max_num_seqs,
             "sampler_warm_up_rows": max(sampler_rows)}
 
@@ -322,11 +328,11 @@ def test_bf16_tree_on_an_amx_cpu_runs_the_vec_kernels(tiny_llama, tmp_path):
     import sys
     from pathlib import Path
 
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cpu_isa_probe.py")),
+    proc = subprocess.run([sys.executable, str(SUPPORT / "cpu_isa_probe.py"),
                            tiny_llama, str(out)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

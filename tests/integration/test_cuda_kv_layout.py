@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # probes and shims
+
 # bf16 tree rows vs the dense fp32 reference: the rows are computed in fp32 and rounded to bf16
 # once (1 ulp at |x| < 1 is 2**-8 ~ 3.9e-3)
 ATTENTION_TOL = 4e-3
@@ -24,7 +26,7 @@ ATTENTION_TOL = 4e-3
 def probes(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda_kv") / "probes.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cuda_kv_layout_probe.py")),
+    proc = subprocess.run([sys.executable, str(SUPPORT / "cuda_kv_layout_probe.py"),
                            str(out)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

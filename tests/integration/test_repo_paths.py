@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCANNED_DIRS = ("vllm_subspec", "subspec_testing", "tests", "benchmarks", "scripts", ".ci")
 SCANNED_ROOT_FILES = ("Dockerfile", "pyproject.toml")
 CODE_SUFFIXES = (".py", ".sh", ".toml", ".cfg", ".yml", ".yaml", "")

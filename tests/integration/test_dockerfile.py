@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-DOCKERFILE = Path(__file__).resolve().parents[1] / "Dockerfile"
+DOCKERFILE = Path(__file__).resolve().parents[2] / "Dockerfile"
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -24,7 +24,8 @@ def test_hadolint_passes():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_builds_on_official_vllm_image_and_serves_subspec():
+def test_dockerfile_declares_a_supported_base_the_gpu_install_and_a_subspec_serve():
+    """What the Dockerfile says, parsed (nothing is built here: no Docker engine)."""
     ins = instructions()
     assert ins[0][0] == "FROM" and ins[0][1].startswith("vllm/vllm-openai:v0.3")
     import vllm_subspec.patches as patches

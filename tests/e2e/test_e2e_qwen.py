@@ -3,7 +3,7 @@
 Not in the default suite (the model is a 1.1 GB download on first use and fp32 verify passes of a
 1.5B model are slow on CPU): the `qwen` marker is deselected by pyproject's addopts. Run with
 
-    OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider -m qwen tests/test_e2e_qwen.py
+    OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider -m qwen tests/e2e/test_e2e_qwen.py
 
 Plain decoding vs a SubSpec chain (D=8) and a k=6 tree (D=8), every layer substituted, the same
 batch of MT-Bench first turns: token ids must be equal. The substitutes use round-to-nearest
