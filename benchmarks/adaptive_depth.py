@@ -49,38 +49,9 @@ def parse_args():
     return ap.parse_args()
 
 
-class ProjectedCost:
-    """A cost the tuner is given instead of measuring (shape_tuner.LinearCost's interface):
-    `seconds` for any row count; observations are ignored."""
-
-    known = True
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def add(self, rows: float, seconds: float) -> None:
-        pass
-
-    def coefficients(self) -> tuple[float, float]:
-        return self.seconds, 0.0
-
-    def __call__(self, rows: float) -> float:
-        return self.seconds
-
-    def per_row(self) -> float:
-        return 0.0
-
-
-def _give_gpu_costs(worker, draft_pass_s: float, verify_s: float) -> None:
-    tuner = worker.model_runner.drafter.tuner
-    tuner.draft_pass = {w: ProjectedCost(draft_pass_s) for w in tuner.draft_pass}
-    tuner.verify = {w: ProjectedCost(verify_s) for w in tuner.verify}
-    tuner.other = ProjectedCost(0.0)
-
-
 def run(model: str, spec: dict, costs: str | None, prompts, params, engine_kwargs) -> dict:
     from cpu_speed import drafter_counters
-    from projection import GpuSetting
+    from projection import GpuSetting, give_gpu_costs
     from vllm import LLM
 
     from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine, timed_generate
@@ -90,7 +61,7 @@ def run(model: str, spec: dict, costs: str | None, prompts, params, engine_kwarg
     gpu = GpuSetting()
     try:
         if costs == "gpu":
-            llm.collective_rpc(_give_gpu_costs,
+            llm.collective_rpc(give_gpu_costs,
                                args=(gpu.draft_pass_ms / 1e3, gpu.target_ms(True) / 1e3))
         timed_generate(llm, prompts[:1], params)  # warm-up: the width's first full-depth tree
         before = llm.collective_rpc(drafter_counters)[0]

@@ -178,7 +178,10 @@ def rescored(r: dict, mode: str = "single") -> str:
         return "not re-scored"
     if not found:
         return "none differ"
-    ties = sum(d["near_tie"] for d in found)
+    from subspec_testing.losslessness import MAX_RANK, NEAR_TIE_NATS
+
+    # by the standard in force (the stored flag is the one of the run's day)
+    ties = sum(d["spec_rank"] <= MAX_RANK and d["gap_nats"] <= NEAR_TIE_NATS for d in found)
     return (f"{ties}/{len(found)} near-ties (max gap {max(d['gap_nats'] for d in found):.3f} "
             f"nats, max rank {max(d['spec_rank'] for d in found)})")
 

@@ -50,6 +50,37 @@ def projected_speedup(tau: float, draft_passes: int, gpu: GpuSetting,
     return tau * gpu.target_ms(subspec=False) / step_ms
 
 
+class ProjectedCost:
+    """A cost the tuner is given instead of measuring (shape_tuner.LinearCost's interface):
+    `seconds` for any row count; observations are ignored."""
+
+    known = True
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def add(self, rows: float, seconds: float) -> None:
+        pass
+
+    def coefficients(self) -> tuple[float, float]:
+        return self.seconds, 0.0
+
+    def __call__(self, rows: float) -> float:
+        return self.seconds
+
+    def per_row(self) -> float:
+        return 0.0
+
+
+def give_gpu_costs(worker, draft_pass_s: float, verify_s: float) -> None:
+    """A collective_rpc target: the SubSpec tuner of this worker decides with these costs (a
+    draft pass, a verify; the rest of a step free) instead of the ones it measures."""
+    tuner = worker.model_runner.drafter.tuner
+    tuner.draft_pass = {w: ProjectedCost(draft_pass_s) for w in tuner.draft_pass}
+    tuner.verify = {w: ProjectedCost(verify_s) for w in tuner.verify}
+    tuner.other = ProjectedCost(0.0)
+
+
 def settings_grid(bandwidths_gbps=(25.0, 12.0, 50.0), memories_gb=(8.0, 12.0),
                   **fixed) -> list[GpuSetting]:
     """A Qwen2.5-7B-sized setting per (memory limit, host-to-device bandwidth)."""

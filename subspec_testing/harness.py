@@ -79,19 +79,23 @@ class EngineRun:
     timed: RunResult  # the timed workload: speed and τ
     batched: RunResult | None  # all prompts at once, each to max_tokens: the identity check
     draft_seconds: float = 0.0  # time SubSpecProposer spent drafting during the timed run
-    draft_steps: int = 0
+    draft_steps: int = 0  # drafter calls (one per decode step, drafting or not)
+    draft_passes: int = 0  # draft forwards
 
 
 def _draft_timing(worker):
     drafter = getattr(worker.model_runner, "drafter", None)
-    return (drafter.draft_seconds, drafter.draft_calls) if drafter is not None else (0.0, 0)
+    if drafter is None:
+        return 0.0, 0, 0
+    return drafter.draft_seconds, drafter.draft_calls, drafter.draft_passes
 
 
 def run_engine(model: str, prompts, sampling_params, speculative_config=None,
-               one_at_a_time: bool = True, identity_run: bool = True,
+               one_at_a_time: bool = True, identity_run: bool = True, setup=None,
                **engine_kwargs) -> EngineRun:
     """Start an engine, warm it up, time the prompts (one at a time by default), then generate
     them as one batch (ignore_eos) for the token-identity check, and shut the engine down.
+    setup: called with the `LLM` once it has started, before the warm-up.
 
     Why two runs: on the CPU backend a decode step of one sequence (M=1 GEMV) and of several
     (M>1 GEMM) round bf16 differently, so plain greedy decoding itself changes with the batch
@@ -106,8 +110,10 @@ def run_engine(model: str, prompts, sampling_params, speculative_config=None,
     kwargs.update(engine_kwargs)
     llm = LLM(model=model, speculative_config=speculative_config, **kwargs)
     spec = speculative_config is not None
-    timing = (lambda: llm.collective_rpc(_draft_timing)[0]) if spec else (lambda: (0.0, 0))
+    timing = (lambda: llm.collective_rpc(_draft_timing)[0]) if spec else (lambda: (0.0, 0, 0))
     try:
+        if setup is not None:
+            setup(llm)
         timed_generate(llm, prompts[:1], sampling_params, spec=spec)
         before = timing()
         timed = timed_generate(llm, prompts, sampling_params, spec=spec,
@@ -118,7 +124,7 @@ def run_engine(model: str, prompts, sampling_params, speculative_config=None,
             full = sampling_params.clone()
             full.ignore_eos = True
             batched = timed_generate(llm, prompts, full, spec=spec)
-        return EngineRun(timed, batched, after[0] - before[0], after[1] - before[1])
+        return EngineRun(timed, batched, *(a - b for a, b in zip(after, before)))
     finally:
         shutdown_engine(llm)
 

@@ -11,6 +11,11 @@ Why 0.25 nats: bf16 keeps 8 significant bits, so logits of magnitude 16-32 are r
 of 0.125; the lm_head output alone can then move two competing logits by half a step each, and
 the hidden state feeding it has been rounded at every one of the decoder layers. A gap above two
 such steps is not explained by rounding and fails the check.
+
+Why rank 4: the same rounding reorders any tokens within that gap, so a tie can be among more
+than two. Measured: on an AMX CPU (bf16 GEMMs whose rounding depends on the row count, plain
+decoding's rows vs a tree's verify rows), SubSpec's token ranked 3rd, 0.133 nats below the best
+(tests/e2e/test_e2e_tree.py, 2026-11-24); the earlier bound, rank 2, assumed two-way ties.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NEAR_TIE_NATS = 0.25
-MAX_RANK = 2
+MAX_RANK = 4
 TOP_LOGPROBS = 20
 
 

@@ -22,6 +22,10 @@ from vllm_subspec.config import (
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
 TESTED_VLLM = ((0, 32), (0, 34))  # [min, max): 0.32.0 ran end to end, 0.33 diffed
+# On another vLLM the patches are not applied (SubSpec disabled, with an error) unless this is
+# "1": then they are applied with a warning (each wrap target may have moved: check the output
+# against plain decoding; docs/troubleshooting.md).
+ALLOW_UNTESTED_VLLM_ENV = "VLLM_SUBSPEC_ALLOW_UNTESTED_VLLM"
 _APPLIED: set[str] = set()
 
 
@@ -261,14 +265,19 @@ def vllm_version_supported(version: str) -> bool:
 
 
 def apply_all() -> bool:
-    """Apply every patch. Returns False (patching nothing) on an untested vLLM."""
+    """Apply every patch. Returns False (patching nothing) on an untested vLLM, unless
+    `VLLM_SUBSPEC_ALLOW_UNTESTED_VLLM=1` (then it warns and applies them)."""
     import vllm
 
     if not vllm_version_supported(vllm.__version__):
-        logger.error(
-            "vllm-subspec supports vLLM >=%d.%d,<%d.%d; found %s. SubSpec is disabled.",
-            *TESTED_VLLM[0], *TESTED_VLLM[1], vllm.__version__)
-        return False
+        supported = "vLLM >={}.{},<{}.{}".format(*TESTED_VLLM[0], *TESTED_VLLM[1])
+        if os.environ.get(ALLOW_UNTESTED_VLLM_ENV) != "1":
+            logger.error("vllm-subspec supports %s; found %s. SubSpec is disabled (set %s=1 to "
+                         "try it anyway).", supported, vllm.__version__, ALLOW_UNTESTED_VLLM_ENV)
+            return False
+        logger.warning("vllm-subspec: vLLM %s is untested (supported: %s); %s=1, so SubSpec's "
+                       "patches are applied anyway. Compare its output with plain decoding.",
+                       vllm.__version__, supported, ALLOW_UNTESTED_VLLM_ENV)
     _patch_create_speculative_config()
     _patch_force_v1_runner()
     _patch_weight_hook()

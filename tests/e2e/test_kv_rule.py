@@ -4,6 +4,7 @@ An auditor wraps the draft in an in-process engine and checks, at every draft fo
 request's position is beyond its last verified token. The negative control re-drafts the last
 accepted token (what vLLM's own draft-model first pass does): the auditor must flag it and the
 greedy output must diverge from the plain engine, i.e. the losslessness tests would catch it.
+fp32, where the honest run must equal plain decoding exactly.
 """
 
 import json
@@ -27,7 +28,7 @@ MAX_TOKENS = 64
 @pytest.fixture(scope="module")
 def probe(smollm2, tmp_path_factory):
     prompts = chat_prompts(smollm2, mt_bench_prompts(4))
-    plain = make_llm(smollm2, enable_prefix_caching=False)
+    plain = make_llm(smollm2, enable_prefix_caching=False, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     reference = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
     shutdown(plain)

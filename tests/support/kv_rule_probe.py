@@ -55,7 +55,7 @@ def main(model, prompts_path, out_path):
     SubSpecProposer.bonus_token_metadata = audit_metadata(honest_meta)
     llm = LLM(model=model, speculative_config={"method": "subspec", "num_speculative_tokens": 4,
               "substitute_layers": "all"}, enforce_eager=True, enable_prefix_caching=False,
-              **CPU_ENGINE_KWARGS)
+              dtype="float32", **CPU_ENGINE_KWARGS)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     result = {}
     for mode in ("honest", "redraft"):

@@ -37,6 +37,20 @@ def test_version_gate(version, ok):
     assert patches.vllm_version_supported(version) is ok
 
 
+def test_an_untested_vllm_disables_subspec_unless_allowed(monkeypatch, vllm_caplog):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delenv(patches.ALLOW_UNTESTED_VLLM_ENV, raising=False)
+    assert patches.apply_all() is False
+    assert "found 0.99.0. SubSpec is disabled (set VLLM_SUBSPEC_ALLOW_UNTESTED_VLLM=1" \
+        in vllm_caplog.text
+    monkeypatch.setenv(patches.ALLOW_UNTESTED_VLLM_ENV, "1")
+    assert patches.apply_all() is True  # warned, then applied (idempotently here)
+    assert "vLLM 0.99.0 is untested" in vllm_caplog.text
+    assert hasattr(EngineArgs.create_speculative_config, "__subspec_original__")
+
+
 def test_trees_keep_attention_out_of_cuda_graphs():
     from vllm.config import CUDAGraphMode
 
