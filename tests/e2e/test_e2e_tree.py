@@ -2,7 +2,7 @@
 
 Most checks run fp32 engines, where any difference at all is a bug. Tree rows run the CPU
 attention kernel's own decode arithmetic, so bf16 trees are plain decoding too; the bf16 test
-holds them to the project's standard (differences only at proven near-ties, > 2/3 identical).
+holds them to the project's standard (differences only at proven near-ties, > 66% identical).
 """
 
 from pathlib import Path
