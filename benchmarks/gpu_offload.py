@@ -125,12 +125,6 @@ class ModelShape:
         return 2 * 2 * self.kv_dim * self.num_layers * tokens / 1e9  # K and V, bf16
 
 
-def model_size(model: str) -> tuple[float, int, float]:
-    """(bf16 weight GB, decoder layers, bf16 GB of one decoder layer) from the model's config."""
-    shape = ModelShape.of(model)
-    return shape.weights_gb, shape.num_layers, shape.layer_gb
-
-
 # Bytes per logits element that each phase of vLLM's profiling pass holds at once (upper
 # estimates from the code): vLLM's sampler (gpu_model_runner.py 0.32.0 `_dummy_sampler_run`
 # :5927): bf16 logits, their fp32 copy, top-k/top-p's sorted fp32 values and int64 indices,
@@ -222,9 +216,8 @@ def offload_kwargs(backend: str, num_layers: int, num_offload: int, layer_gb: fl
                 offload_num_in_group=in_group, offload_prefetch_step=1)
 
 
-def engine_plans(args, model: str, total_gb: float) -> dict[str, dict]:
+def engine_plans(args, shape: ModelShape, total_gb: float) -> dict[str, dict]:
     """Each engine's arguments and memory plan (no GPU needed)."""
-    shape = ModelShape.of(model)
     budget_gb = args.memory_gb - args.reserved_gb
     width, depth = (int(x) for x in args.tree.split("x"))
     plans = {}
@@ -254,7 +247,7 @@ def main():
     model = args.model or random_qwen_7b()
     if args.dry_run:
         total_gb = args.gpu_memory_gb or 80.0
-        for name, plan in engine_plans(args, model, total_gb).items():
+        for name, plan in engine_plans(args, ModelShape.of(model), total_gb).items():
             mem = plan["memory"]
             print(f"[gpu_offload] {name} engine: {plan['offloaded_layers']} layers offloaded; "
                   f"speculative_config={json.dumps(plan['speculative_config'])}; "
@@ -269,8 +262,9 @@ def main():
     from subspec_testing.harness import count_identical, run_engine
 
     total_gb = args.gpu_memory_gb or torch.cuda.get_device_properties(0).total_memory / 1e9
-    plans = engine_plans(args, model, total_gb)
-    w_gb = ModelShape.of(model).weights_gb
+    shape = ModelShape.of(model)
+    plans = engine_plans(args, shape, total_gb)
+    w_gb = shape.weights_gb
     offload = {name: plan["offloaded_layers"] for name, plan in plans.items()}
     if dummy:
         for plan in plans.values():

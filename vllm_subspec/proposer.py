@@ -38,7 +38,7 @@ from vllm_subspec.config import options_from_vllm_config
 from vllm_subspec.draft_model import DraftModel, SubstituteSet, decoder_layers
 from vllm_subspec.prefetch_overlap import PrefetchOverlap
 from vllm_subspec.shape_tuner import ShapeTuner
-from vllm_subspec.tree import TreeBatch, TreeShape, sharpened_log_probs
+from vllm_subspec.tree import TreeBatch, TreeShape, sharpened_log_probs, widest_level
 from vllm_subspec.tree_attention import TreeMask, TreePlan, TreeRows, logical_to_slots
 from vllm_subspec.verify import TreeStep
 
@@ -156,14 +156,8 @@ class SubSpecProposer(DraftModelProposer):
         batch = self.vllm_config.scheduler_config.max_num_seqs
         hidden = torch.rand(batch * k, hidden_size, dtype=dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
-        if k == 1:
-            logits.argmax(dim=-1)
-            return
-        temperature = self.options.draft_temperature
-        tree = TreeBatch(TreeShape(k, 2), torch.zeros(batch, dtype=torch.int64,
-                                                      device=self.device))
-        tree.grow(sharpened_log_probs(logits[:batch], temperature))
-        tree.grow(sharpened_log_probs(logits, temperature).view(batch, k, -1))
+        if k > 1:  # a chain's argmax adds nothing beyond its logits
+            widest_level(logits, batch, k, self.options.draft_temperature)
 
     # ---- drafting ------------------------------------------------------------------------
     def propose(

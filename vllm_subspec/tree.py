@@ -104,6 +104,19 @@ class TreeBatch:
         return self.tokens[slice(None) if rows is None else rows, self.shape.level(self.grown)]
 
 
+def widest_level(logits: torch.Tensor, batch: int, width: int,
+                 temperature: float) -> TreeBatch:
+    """The largest temporaries a draft pass past its layers makes: a root level from the first
+    `batch` rows of `logits` [batch * width, V], then one frontier level over all of them
+    (sharpened fp32 log-probabilities, the top-k over width x V candidates per request). Run on
+    random logits by the proposer's profiling pass, where vLLM measures peak memory."""
+    tree = TreeBatch(TreeShape(width, 2),
+                     torch.zeros(batch, dtype=torch.int64, device=logits.device))
+    tree.grow(sharpened_log_probs(logits[:batch], temperature))
+    tree.grow(sharpened_log_probs(logits, temperature).view(batch, width, -1))
+    return tree
+
+
 def sharpened_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T_d): the draft distribution that scores the tree (never verifies)."""
     return torch.log_softmax(logits.float() / temperature, dim=-1)

@@ -322,23 +322,27 @@ def test_bf16_tree_on_an_amx_cpu_runs_the_vec_kernels(tiny_llama, tmp_path):
     cannot read; SubSpec tree engines run the "vec" kernels there (patches.py, patch 8). The
     probe fakes AMX support in-process (this machine may not have it: the amx kernels would not
     run here at all)."""
+    result = run_in_process_probe("cpu_isa_probe.py", tiny_llama, tmp_path / "out.json")
+    assert result["isa"] == ["vec"]
+    assert len(result["token_ids"]) == 24
+
+
+def run_in_process_probe(script: str, *args) -> dict:
+    """Run tests/support/<script> with `args` (the last: its JSON output) in a child process
+    whose engine lives in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so what the probe patches
+    reaches the worker); returns the output."""
     import json
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(SUPPORT / "cpu_isa_probe.py"),
-                           tiny_llama, str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, str(SUPPORT / script), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    assert result["isa"] == ["vec"]
-    assert len(result["token_ids"]) == 24
+    return json.loads(Path(args[-1]).read_text())
 
 
 BF16_PROMPTS, BF16_TOKENS = 12, 96
@@ -353,23 +357,14 @@ def test_bf16_tree_is_plain_decoding_up_to_proven_near_ties(smollm2, tmp_path):
     runs ("vec"; on an AMX CPU vLLM would pick "amx" for plain bf16, and measured here 3/12
     identical against the tree, every difference a near-tie: the kernels' rounding)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from subspec_testing.losslessness import assert_lossless
 
     prompts = chat_prompts(smollm2, mt_bench_prompts(BF16_PROMPTS))
     params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
     (tmp_path / "in.json").write_text(json.dumps([prompts, BF16_TOKENS]))
-    repo = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(SUPPORT / "plain_vec_probe.py"), smollm2,
-                           str(tmp_path / "in.json"), str(tmp_path / "out.json")],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    plain = json.loads((tmp_path / "out.json").read_text())
+    plain = run_in_process_probe("plain_vec_probe.py", smollm2, tmp_path / "in.json",
+                                 tmp_path / "out.json")
     assert plain["isa"] == ["vec"]
     prompt_ids, plain_ids = plain["prompt_ids"], plain["token_ids"]
     llm = make_llm(smollm2, {"method": "subspec", "tree_width": 6, "tree_depth": 16,

@@ -152,16 +152,14 @@ class LiveBytes(TorchDispatchMode):
 
 
 def test_draft_temporaries_fit_the_plans_bytes_per_logit():
-    """The draft's widest pass as `SubSpecProposer._run_peak_temporaries` runs it (sharpened
-    fp32 log-probabilities of R x k rows, then a tree level's top-k over k x V candidates),
-    measured on CPU: the plan's DRAFT_BYTES_PER_LOGIT covers it, and is not wildly loose."""
-    from vllm_subspec.tree import TreeBatch, TreeShape, sharpened_log_probs
+    """The draft's widest pass past its logits (`tree.widest_level`, which
+    `SubSpecProposer._run_peak_temporaries` runs), measured on CPU: the plan's
+    DRAFT_BYTES_PER_LOGIT covers it, and is not wildly loose."""
+    from vllm_subspec.tree import widest_level
 
     batch, k, vocab = 4, 6, 5000
     with torch.inference_mode(), LiveBytes() as mode:
         logits = torch.randn(batch * k, vocab, dtype=torch.bfloat16)
-        tree = TreeBatch(TreeShape(k, 2), torch.zeros(batch, dtype=torch.int64))
-        tree.grow(sharpened_log_probs(logits[:batch], 0.2))
-        tree.grow(sharpened_log_probs(logits, 0.2).view(batch, k, -1))
+        widest_level(logits, batch, k, 0.2)
     elements = batch * k * vocab
     assert elements * 2 * 4 < mode.peak <= elements * DRAFT_BYTES_PER_LOGIT
