@@ -10,7 +10,7 @@ Three runs per model (vLLM CPU backend, every layer 4-bit HQQ, as `{"method": "s
   11 ms, a verify streaming the offloaded weights ~0.48 s, flat in rows) instead of measuring
   them. τ and the draft passes are measured on the engine; only the costs that decide where to
   stop are projected.
-Draft passes per emitted token count every draft forward (drafter.draft_passes).
+Draft passes per emitted token count every draft forward (the step session's `StepStats.draft_passes`).
 
     python benchmarks/adaptive_depth.py --model smollm2 --prompts 8
     python benchmarks/adaptive_depth.py --model qwen-coder-1.5b --prompts 4 --kv-cache-gb 2

@@ -82,12 +82,13 @@ def mixed_prompts(n: int) -> list[str]:
 
 
 def drafter_counters(worker):
-    """The SubSpec drafter's running counters (a collective_rpc target)."""
-    drafter = getattr(worker.model_runner, "drafter", None)
-    tuner = getattr(drafter, "tuner", None)
-    return {"draft_passes": getattr(drafter, "draft_passes", 0),
-            "draft_calls": getattr(drafter, "draft_calls", 0),
-            "draft_seconds": getattr(drafter, "draft_seconds", 0.0),
+    """The SubSpec step session's statistics (`StepStats`) and its tuner's current shape (a
+    collective_rpc target)."""
+    import dataclasses
+
+    session = worker.model_runner.drafter.session
+    tuner = session.tuner
+    return {**dataclasses.asdict(session.stats),
             "shape": None if tuner is None else [tuner.width, tuner.depth]}
 
 

@@ -49,7 +49,7 @@ def best_of(fn, repeats: int) -> float:
 def main():
     import torch
 
-    from vllm_subspec.substitute import Int4CpuKernel, quantize
+    from vllm_subspec.draft_model.substitute import Int4CpuKernel, quantize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen-coder-1.5b", choices=list(SHAPES))

@@ -75,10 +75,12 @@ class ProjectedCost:
 def give_gpu_costs(worker, draft_pass_s: float, verify_s: float) -> None:
     """A collective_rpc target: the SubSpec tuner of this worker decides with these costs (a
     draft pass, a verify; the rest of a step free) instead of the ones it measures."""
-    tuner = worker.model_runner.drafter.tuner
-    tuner.draft_pass = {w: ProjectedCost(draft_pass_s) for w in tuner.draft_pass}
-    tuner.verify = {w: ProjectedCost(verify_s) for w in tuner.verify}
-    tuner.other = ProjectedCost(0.0)
+    from vllm_subspec.step.shape_tuner import StepCosts
+
+    tuner = worker.model_runner.drafter.session.tuner
+    tuner.use_costs(StepCosts({w: ProjectedCost(draft_pass_s) for w in tuner.draft_pass},
+                              {w: ProjectedCost(verify_s) for w in tuner.verify},
+                              ProjectedCost(0.0)))
 
 
 def settings_grid(bandwidths_gbps=(25.0, 12.0, 50.0), memories_gb=(8.0, 12.0),

@@ -28,7 +28,7 @@ from depth_sweep import RESULTS, environment, model_path  # noqa: E402
 
 
 def _counts(worker):
-    from vllm_subspec.draft_model import SubstituteSet
+    from vllm_subspec.draft_model.model import SubstituteSet
 
     subs = SubstituteSet.of(worker.model_runner.get_model())  # not .model: CUDA graphs wrap it
     return subs.built, subs.cache_hits, subs.build_seconds
@@ -65,7 +65,7 @@ def main():
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
     from vllm_subspec.config import SubSpecOptions
-    from vllm_subspec.substitute_cache import SubstituteCache
+    from vllm_subspec.draft_model.substitute_cache import SubstituteCache
 
     spec = {"method": "subspec", "num_speculative_tokens": 8, "substitute_layers": "all"}
     if args.cache_dir:

@@ -78,16 +78,15 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 class EngineRun:
     timed: RunResult  # the timed workload: speed and τ
     batched: RunResult | None  # all prompts at once, each to max_tokens: the identity check
-    draft_seconds: float = 0.0  # time SubSpecProposer spent drafting during the timed run
+    draft_seconds: float = 0.0  # time the step session spent drafting during the timed run
     draft_steps: int = 0  # drafter calls (one per decode step, drafting or not)
     draft_passes: int = 0  # draft forwards
 
 
 def _draft_timing(worker):
-    drafter = getattr(worker.model_runner, "drafter", None)
-    if drafter is None:
-        return 0.0, 0, 0
-    return drafter.draft_seconds, drafter.draft_calls, drafter.draft_passes
+    """The step session's statistics (`StepStats`), a collective_rpc target."""
+    stats = worker.model_runner.drafter.session.stats
+    return stats.draft_seconds, stats.draft_calls, stats.draft_passes
 
 
 def run_engine(model: str, prompts, sampling_params, speculative_config=None,

@@ -4,7 +4,7 @@ vLLM calls it once in every process it starts (front end, engine core, each work
 what makes the patches reach spawned workers without user code or environment variables.
 """
 
-from vllm_subspec import patches
+from vllm_subspec.vllm_hooks import patches
 
 
 def register() -> None:

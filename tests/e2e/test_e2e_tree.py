@@ -116,7 +116,7 @@ def test_auto_pauses_drafting_losslessly(smollm2, prompts, plain, monkeypatch):
 
 
 def _predict_plain_faster(worker) -> None:
-    tuner = worker.model_runner.drafter.tuner
+    tuner = worker.model_runner.drafter.session.tuner
     tuner.plain_rate = lambda batch_size: float("inf")
     tuner.plans_seen = {"plain": 0, "drafting": 0}
     plan_step = tuner.plan_step
@@ -130,7 +130,7 @@ def _predict_plain_faster(worker) -> None:
 
 
 def _plans_seen(worker) -> dict:
-    return worker.model_runner.drafter.tuner.plans_seen
+    return worker.model_runner.drafter.session.tuner.plans_seen
 
 
 def test_requests_drop_out_of_later_draft_passes_losslessly(smollm2, prompts, plain,
@@ -154,10 +154,10 @@ def test_requests_drop_out_of_later_draft_passes_losslessly(smollm2, prompts, pl
 
 
 def _drop_one_request_per_depth(worker) -> None:
-    from vllm_subspec.shape_tuner import StepPlan
-    from vllm_subspec.tree import TreeShape
+    from vllm_subspec.step.shape_tuner import StepPlan
+    from vllm_subspec.step.tree import TreeShape
 
-    tuner = worker.model_runner.drafter.tuner
+    tuner = worker.model_runner.drafter.session.tuner
     tuner.drop_outs_seen = {"passes_after_a_drop_out": 0}
 
     def drafting_next(log_mass, width, reached):
@@ -174,11 +174,11 @@ def _drop_one_request_per_depth(worker) -> None:
 
 
 def _drop_outs_seen(worker) -> dict:
-    return worker.model_runner.drafter.tuner.drop_outs_seen
+    return worker.model_runner.drafter.session.tuner.drop_outs_seen
 
 
 def _tuner_state(worker) -> dict:
-    tuner = worker.model_runner.drafter.tuner
+    tuner = worker.model_runner.drafter.session.tuner
     return {"verify_rows_seen": any(v.known for v in tuner.verify.values()),
             "draft_passes_seen": tuner.draft_pass[tuner.width].known,
             "widths_run": sorted(w for w, a in tuner.acceptance.items() if a.steps)}

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _substitute_counts(worker):
-    from vllm_subspec.draft_model import SubstituteSet
+    from vllm_subspec.draft_model.model import SubstituteSet
 
     subs = SubstituteSet.of(worker.model_runner.get_model())  # not .model: CUDA graphs wrap it
     return subs.built, subs.cache_hits, sum(len(d) for d in subs.layers.values())

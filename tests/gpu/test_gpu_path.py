@@ -55,8 +55,8 @@ def fp32_rescorer():
 
 
 def _layout(worker):
-    from vllm_subspec.draft_model import SubstituteSet, decoder_layers
-    from vllm_subspec.layer_selection import offloaded_layer_indices
+    from vllm_subspec.draft_model.model import SubstituteSet, decoder_layers
+    from vllm_subspec.draft_model.layer_selection import offloaded_layer_indices
 
     # get_model(): under CUDA graphs `model_runner.model` is a CUDAGraphWrapper
     # (gpu_model_runner.py 0.32.0 ~5209), which does not carry the substitutes
@@ -97,7 +97,7 @@ def _generate(prompts, spec, offload, enforce_eager):
 
 
 def test_gemlite_substitute_matches_reference():
-    from vllm_subspec.substitute import GemliteKernel, ReferenceKernel, choose_kernel, quantize
+    from vllm_subspec.draft_model.substitute import GemliteKernel, ReferenceKernel, choose_kernel, quantize
 
     torch.manual_seed(0)
     w = (torch.randn(1536, 576, device="cuda") * 0.05).to(torch.float16)

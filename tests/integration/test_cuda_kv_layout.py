@@ -1,6 +1,6 @@
 """Tree attention, KV reads and KV compaction on vLLM's FlashAttention cache, executed on CPU.
 
-The CUDA reader (`tree_attention.FlashAttentionLayout`) is run against caches that vLLM's own code
+The CUDA reader (`paged_kv.FlashAttentionLayout`) is run against caches that vLLM's own code
 allocates (`allocate_kv_cache`) for every `KVCacheLayout` and that vLLM's own Triton writer fills
 (under the Triton interpreter), in a subprocess (`cuda_kv_layout_probe.py`): TRITON_INTERPRET
 must be set before Triton is imported, and this process imported it with vLLM.
@@ -56,7 +56,7 @@ def test_a_cache_of_another_shape_is_refused_clearly():
     # names the expected layout, not with an unpacking error deep in a forward.
     import torch
 
-    from vllm_subspec.tree_attention import FlashAttentionLayout
+    from vllm_subspec.step.paged_kv import FlashAttentionLayout
 
     with pytest.raises(RuntimeError, match=r"expected \[blocks, kv_heads, block_size, 256\]"):
         FlashAttentionLayout(torch.zeros(2, 12, 16, 2, 128), head_size=128)

@@ -16,7 +16,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from vllm_subspec.config import SubSpecConfigError, options_from_vllm_config
-from vllm_subspec.engine_rules import check_final_config, sliding_window_of
+from vllm_subspec.vllm_hooks.engine_rules import check_final_config, sliding_window_of
 
 TREE = {"method": "subspec", "tree_width": 4, "tree_depth": 3}
 CHAIN = {"method": "subspec", "num_speculative_tokens": 4}

@@ -28,7 +28,7 @@ def test_dockerfile_declares_a_supported_base_the_gpu_install_and_a_subspec_serv
     """What the Dockerfile says, parsed (nothing is built here: no Docker engine)."""
     ins = instructions()
     assert ins[0][0] == "FROM" and ins[0][1].startswith("vllm/vllm-openai:v0.3")
-    import vllm_subspec.patches as patches
+    import vllm_subspec.vllm_hooks.patches as patches
 
     lo, hi = patches.TESTED_VLLM
     minor = int(re.search(r":v0\.(\d+)", ins[0][1]).group(1))

@@ -183,7 +183,7 @@ def problems_of(path: Path) -> list[str]:
 
 def test_scan_covers_the_code():
     files = {p.relative_to(ROOT).as_posix() for p in _tracked_files()}
-    for expected in ("vllm_subspec/substitute_cache.py", "subspec_testing/assets.py",
+    for expected in ("vllm_subspec/draft_model/substitute_cache.py", "subspec_testing/assets.py",
                      "benchmarks/depth_sweep.py", "scripts/setup.sh", ".ci/run", "Dockerfile"):
         if (ROOT / expected).exists():
             assert expected in files, expected

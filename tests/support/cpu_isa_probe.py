@@ -17,7 +17,7 @@ def main(model, out_path):
     from vllm import LLM, SamplingParams
 
     from subspec_testing.harness import CPU_ENGINE_KWARGS
-    from vllm_subspec.draft_model import decoder_layers
+    from vllm_subspec.draft_model.model import decoder_layers
 
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
               speculative_config={"method": "subspec", "tree_width": 4, "tree_depth": 3,

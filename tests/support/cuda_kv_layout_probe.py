@@ -41,10 +41,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # no
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from vllm_subspec import tree_attention  # noqa: E402
-from vllm_subspec.tree import TreeBatch, TreeShape  # noqa: E402
-from vllm_subspec.tree_attention import (  # noqa: E402
-    TreeMask, TreePlan, TreeRows, layout_for, logical_to_slots, move_kv, tree_attention_rows)
+from vllm_subspec.step import tree_attention  # noqa: E402
+from vllm_subspec.step.tree import TreeBatch, TreeShape  # noqa: E402
+from vllm_subspec.step.paged_kv import layout_for, logical_to_slots, move_kv  # noqa: E402
+from vllm_subspec.step.tree_attention import (  # noqa: E402
+    TreeMask, TreePlan, TreeRows, tree_attention_rows)
 
 BLOCK, KV_HEADS, HEADS, D, NUM_BLOCKS = 16, 2, 4, 64, 12
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]

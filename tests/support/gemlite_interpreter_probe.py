@@ -23,8 +23,8 @@ from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.autotuner import Heuristics  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
-from vllm_subspec.draft_model import SubstituteSet, draft_row_counts  # noqa: E402
-from vllm_subspec.substitute import (  # noqa: E402
+from vllm_subspec.draft_model.model import SubstituteSet, draft_row_counts  # noqa: E402
+from vllm_subspec.draft_model.substitute import (  # noqa: E402
     GemliteKernel,
     ReferenceKernel,
     SubstituteLinear,

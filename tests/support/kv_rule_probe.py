@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from vllm_subspec.draft_model import DraftModel
-from vllm_subspec.proposer import SubSpecProposer
+from vllm_subspec.draft_model.model import DraftModel
+from vllm_subspec.vllm_hooks.proposer import SubSpecProposer
 
 AUDIT = {"checks": 0, "violations": 0}
 _current = {}

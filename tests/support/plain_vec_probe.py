@@ -24,7 +24,7 @@ def main(model, in_path, out_path):
     from vllm import LLM, SamplingParams
 
     from subspec_testing.harness import CPU_ENGINE_KWARGS
-    from vllm_subspec.draft_model import decoder_layers
+    from vllm_subspec.draft_model.model import decoder_layers
 
     with open(in_path) as f:
         prompts, max_tokens = json.load(f)

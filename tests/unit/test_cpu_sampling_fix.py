@@ -3,7 +3,7 @@ per-request values expanded to their tokens, installed in vLLM's rejection sampl
 
 import torch
 
-from vllm_subspec.cpu_sampling_fix import expand_batch_to_tokens
+from vllm_subspec.vllm_hooks.cpu_sampling_fix import expand_batch_to_tokens
 
 
 def test_cpu_expand_fix_expands_per_request_values():
@@ -20,7 +20,7 @@ def test_cpu_expand_fix_expands_per_request_values():
 def test_cpu_expand_fix_is_installed_in_vllm():
     from vllm.v1.sample import rejection_sampler
 
-    import vllm_subspec.patches as patches
+    import vllm_subspec.vllm_hooks.patches as patches
 
     assert patches.apply_all()
     assert rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens

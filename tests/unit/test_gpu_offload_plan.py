@@ -60,7 +60,7 @@ def vllm_prefetch_count(group: int, in_group: int) -> int:
     from torch import nn
     from vllm.config import OffloadConfig, PrefetchOffloadConfig
 
-    from vllm_subspec.layer_selection import planned_offload
+    from vllm_subspec.draft_model.layer_selection import planned_offload
 
     layers = [nn.Linear(2, 2) for _ in range(N)]
     cfg = OffloadConfig(prefetch=PrefetchOffloadConfig(
@@ -155,7 +155,7 @@ def test_draft_temporaries_fit_the_plans_bytes_per_logit():
     """The draft's widest pass past its logits (`tree.widest_level`, which
     `SubSpecProposer._run_peak_temporaries` runs), measured on CPU: the plan's
     DRAFT_BYTES_PER_LOGIT covers it, and is not wildly loose."""
-    from vllm_subspec.tree import widest_level
+    from vllm_subspec.step.tree import widest_level
 
     batch, k, vocab = 4, 6, 5000
     with torch.inference_mode(), LiveBytes() as mode:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from vllm.config.offload import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
 
-from vllm_subspec.layer_selection import offloaded_layer_indices, planned_offload
+from vllm_subspec.draft_model.layer_selection import offloaded_layer_indices, planned_offload
 
 MIB = 2**20
 
@@ -92,7 +92,7 @@ def test_prefetch_streamed_layers_must_all_be_substituted(monkeypatch):
     from vllm.model_executor.offloader import base
 
     from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
-    from vllm_subspec.draft_model import attach_substitutes
+    from vllm_subspec.draft_model.model import attach_substitutes
 
     ls = layers(4)
     model = SimpleNamespace(model=SimpleNamespace(layers=ls), __dict__={})

@@ -5,7 +5,7 @@ from importlib.metadata import entry_points
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_subspec import patches
+from vllm_subspec.vllm_hooks import patches
 
 
 def test_entry_point_is_registered():
@@ -54,7 +54,7 @@ def test_an_untested_vllm_disables_subspec_unless_allowed(monkeypatch, vllm_capl
 def test_trees_keep_attention_out_of_cuda_graphs():
     from vllm.config import CUDAGraphMode
 
-    from vllm_subspec.engine_rules import tree_cudagraph_mode
+    from vllm_subspec.vllm_hooks.engine_rules import tree_cudagraph_mode
 
     assert tree_cudagraph_mode(None) == CUDAGraphMode.PIECEWISE  # vLLM's default would be FULL_*
     assert tree_cudagraph_mode(CUDAGraphMode.FULL_AND_PIECEWISE) == CUDAGraphMode.PIECEWISE

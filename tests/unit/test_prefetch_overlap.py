@@ -29,8 +29,8 @@ import pytest
 import torch
 from torch import nn
 
-from vllm_subspec import prefetch_overlap
-from vllm_subspec.prefetch_overlap import PrefetchOverlap
+from vllm_subspec.vllm_hooks import prefetch_overlap
+from vllm_subspec.vllm_hooks.prefetch_overlap import PrefetchOverlap
 
 # ---- the recorder ----------------------------------------------------------------------
 

@@ -11,11 +11,12 @@ import random
 import pytest
 import torch
 
-from vllm_subspec.shape_tuner import (
+from vllm_subspec.step.shape_tuner import (
     EXPLORE_STEPS,
     LinearCost,
     MassCalibration,
     ShapeTuner,
+    StepCosts,
     WidthAcceptance,
 )
 
@@ -322,8 +323,9 @@ def test_verify_rows_that_cost_more_than_they_yield_are_cut_on_cpu_only():
         tuner.observe_verify(6, rows, 0.5)
     assert tuner.verify_depths(log_mass, 6) == [8, 8]
     # verify rows cost (CPU): the lost request's hopeless depths are not verified
-    cpu = ShapeTuner((6,), 8, auto_width=False, auto_depth=True)
-    cpu.draft_pass, cpu.other = tuner.draft_pass, tuner.other
+    cpu = ShapeTuner((6,), 8, auto_width=False, auto_depth=True,
+                     costs=StepCosts(tuner.draft_pass, StepCosts.measured((6,)).verify,
+                                     tuner.other))
     for rows in (10, 50, 100):
         cpu.observe_verify(6, rows, 0.01 * rows)
     depths = cpu.verify_depths(log_mass, 6)

@@ -9,13 +9,13 @@ from decoder_stub import decoder_stub
 from torch import nn
 
 from vllm_subspec.config import SubSpecOptions
-from vllm_subspec.draft_model import (
+from vllm_subspec.draft_model.model import (
     DraftModel,
     build_substitutes,
     draft_row_counts,
     substitute_layer,
 )
-from vllm_subspec.substitute import (
+from vllm_subspec.draft_model.substitute import (
     Int4CpuKernel,
     ReferenceKernel,
     SubstituteLinear,
@@ -52,7 +52,7 @@ def test_int4_cpu_runs_its_dense_twin_from_the_crossover_row_count(weight, monke
     """From `dense_from_rows` rows the kernel runs a plain matmul of the same HQQ weights
     ((q - z) * s in the activation dtype); below it, the int4 kernel. Both match the reference
     to bf16 rounding. Without a draft row bound or where dense never wins, no twin is kept."""
-    import vllm_subspec.substitute as substitute
+    import vllm_subspec.draft_model.substitute as substitute
 
     qw = quantize(weight, bits=4, group_size=64)
     int4_only = Int4CpuKernel(qw, torch.bfloat16)
@@ -85,13 +85,13 @@ ROWS = [1, 2, 4, 8, 16, 32]
     ([1.0 + 0.1 * m for m in ROWS], [0.5 + 0.05 * m for m in ROWS], 32, 1),  # dense always
 ])
 def test_crossover_is_where_the_fitted_times_cross(int4_ms, dense_ms, max_rows, expected):
-    from vllm_subspec.substitute import crossover_rows
+    from vllm_subspec.draft_model.substitute import crossover_rows
 
     assert crossover_rows(ROWS, int4_ms, dense_ms, max_rows) == expected
 
 
 def test_dense_crossover_is_timed_once_per_shape():
-    from vllm_subspec.substitute import dense_crossover
+    from vllm_subspec.draft_model.substitute import dense_crossover
 
     dense_crossover.cache_clear()
     first = dense_crossover(64, 128, 64, torch.bfloat16, 8)
@@ -101,8 +101,8 @@ def test_dense_crossover_is_timed_once_per_shape():
 
 
 def test_only_the_auto_kernel_choice_keeps_a_dense_twin(weight, monkeypatch):
-    import vllm_subspec.substitute as substitute
-    from vllm_subspec.substitute import substitute_from_quantized
+    import vllm_subspec.draft_model.substitute as substitute
+    from vllm_subspec.draft_model.substitute import substitute_from_quantized
 
     monkeypatch.setattr(substitute, "dense_crossover", lambda *args: 2)
     qw = quantize(weight, bits=4, group_size=64)
@@ -119,7 +119,7 @@ def test_only_the_auto_kernel_choice_keeps_a_dense_twin(weight, monkeypatch):
 def test_large_weights_are_quantized_in_row_blocks(weight, monkeypatch, method):
     """Row blocks bound the solver's memory: round-to-nearest is per group, so blocks give the
     very same codes; HQQ's solver stops per block, so its error must stay as small."""
-    import vllm_subspec.substitute as substitute
+    import vllm_subspec.draft_model.substitute as substitute
 
     whole = quantize(weight, bits=4, group_size=64, method=method)
     monkeypatch.setattr(substitute, "QUANTIZE_BLOCK_ELEMENTS", 50 * weight.shape[1])
@@ -315,7 +315,7 @@ def test_substitutes_are_found_through_get_model_under_cuda_graphs():
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_subspec.draft_model import SubstituteSet
+    from vllm_subspec.draft_model.model import SubstituteSet
 
     target = torch.nn.Linear(2, 2)
     SubstituteSet(num_layers=1).attach_to(target)
@@ -342,12 +342,12 @@ def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(vllm_capl
 
     from vllm.config.offload import OffloadConfig
 
-    from vllm_subspec.draft_model import SubstituteSet, attach_substitutes
+    from vllm_subspec.draft_model.model import SubstituteSet, attach_substitutes
 
     cfg = SimpleNamespace(offload_config=OffloadConfig(),
                           scheduler_config=SimpleNamespace(max_num_seqs=4))
     model = _model(num_layers=3, h=128)
-    with vllm_caplog.at_level("INFO", logger="vllm.vllm_subspec.draft_model"):
+    with vllm_caplog.at_level("INFO", logger="vllm.vllm_subspec.draft_model.model"):
         attach_substitutes(model, SubSpecOptions(quantizer="rtn"), cfg, CPU)
     assert sorted(SubstituteSet.of(model).layers) == [0, 1, 2]
     assert "every decoder layer gets a substitute" in vllm_caplog.text
@@ -361,7 +361,7 @@ def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(vllm_capl
 def test_gemlite_is_used_only_when_cuda_and_an_importable_gemlite_are_there(monkeypatch):
     import types
 
-    from vllm_subspec.substitute import gemlite_available
+    from vllm_subspec.draft_model.substitute import gemlite_available
 
     assert not gemlite_available()  # no CUDA here
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from decoder_stub import decoder_stub
 
-import vllm_subspec.substitute as substitute_mod
+import vllm_subspec.draft_model.substitute as substitute_mod
 from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
-from vllm_subspec.draft_model import build_substitutes
-from vllm_subspec.substitute import quantize
-from vllm_subspec.substitute_cache import (
+from vllm_subspec.draft_model.model import build_substitutes
+from vllm_subspec.draft_model.substitute import quantize
+from vllm_subspec.draft_model.substitute_cache import (
     SubstituteCache,
     all_threads,
     default_root,
@@ -142,7 +142,7 @@ def test_bad_entry_is_rebuilt(model_dir, tmp_path, monkeypatch, damage, vllm_cap
 
     counter = _CountingQuantize(monkeypatch)
     cache2, _ = _cache(model_dir, tmp_path / "cache")
-    with vllm_caplog.at_level("WARNING", logger="vllm.vllm_subspec.substitute_cache"):
+    with vllm_caplog.at_level("WARNING", logger="vllm.vllm_subspec.draft_model.substitute_cache"):
         again = _build(model, options, cache2)
     assert counter.calls == [(128, 256)]  # only layer 1's down_proj was quantized again
     assert cache2.rebuilt == 1 and cache2.hits == 8

@@ -5,20 +5,15 @@ import math
 import pytest
 import torch
 
-from vllm_subspec.tree import (
+from vllm_subspec.step.tree import (
     StoredTree,
     TreeBatch,
     TreeShape,
     accepted_path,
     sharpened_log_probs,
 )
-from vllm_subspec.tree_attention import (
-    CpuVecLayout,
-    TreeRows,
-    check_cpu_layout,
-    move_kv,
-    tree_attention_rows,
-)
+from vllm_subspec.step.paged_kv import CpuVecLayout, check_cpu_layout, move_kv
+from vllm_subspec.step.tree_attention import TreeRows, tree_attention_rows
 
 
 def test_shape_levels_and_depths():
@@ -225,7 +220,7 @@ def test_a_subset_pass_slices_every_per_request_field_vllm_slices():
 
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_subspec.proposer import PER_REQUEST_FIELDS
+    from vllm_subspec.vllm_hooks.proposer import PER_REQUEST_FIELDS
 
     source = inspect.getsource(CommonAttentionMetadata.unpadded)
     sliced = set(re.findall(r"maybe_slice_reqs\(self\.(\w+)\)", source))

@@ -11,13 +11,9 @@ import platform
 import pytest
 import torch
 
-from vllm_subspec.tree import TreeBatch, TreeShape
-from vllm_subspec.tree_attention import (
-    CpuVecLayout,
-    TreeRows,
-    _torch_rows,
-    tree_attention_rows,
-)
+from vllm_subspec.step.tree import TreeBatch, TreeShape
+from vllm_subspec.step.paged_kv import CpuVecLayout
+from vllm_subspec.step.tree_attention import TreeRows, _torch_rows, tree_attention_rows
 
 
 def _ops():

@@ -1,4 +1,5 @@
-"""TreeStep (verify side of a tree step) on synthetic logits and metadata: no engine, seconds.
+"""The verify side of a tree step (`StepSession.prepare_verify` .. `compact`, through the runner's
+`TreeVerifier`) on synthetic logits and metadata: no engine, seconds.
 
 In the style of vLLM's tests/v1/sample/test_rejection_sampler.py: hand-made trees, logits whose
 argmax is chosen per node, vLLM's own SamplingMetadata and Sampler (for logprobs).
@@ -12,9 +13,12 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_subspec.tree import StoredTree
-from vllm_subspec.tree_attention import CpuVecLayout, TreeMask, logical_to_slots
-from vllm_subspec.verify import PLACEHOLDER, TreeStep, VerifiedTree, chain_tree
+from vllm_subspec.config import SubSpecOptions
+from vllm_subspec.step.paged_kv import CpuVecLayout, logical_to_slots
+from vllm_subspec.step.session import StepSession
+from vllm_subspec.step.tree import StoredTree
+from vllm_subspec.step.verify import PLACEHOLDER, VerifiedTree, chain_tree
+from vllm_subspec.vllm_hooks.tree_verifier import TreeVerifier
 
 V = 16
 # k = 2, D = 2. Node tokens / parents (root token is never matched):
@@ -54,19 +58,24 @@ def sampling(batch: int, greedy=True, temperature=1.0, generators=None, max_logp
         allowed_token_ids_mask=allowed, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
 
 
-def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None) -> TreeStep:
+def session() -> StepSession:
+    return StepSession(SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 2}))
+
+
+def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None) -> TreeVerifier:
     req_ids = list(trees)
     batch = SimpleNamespace(
         req_ids=req_ids, num_reqs=len(req_ids),
         block_table=[SimpleNamespace(get_device_tensor=lambda n: block_table[:n])])
     runner = SimpleNamespace(input_batch=batch, sampler=Sampler())
-    step = TreeStep(runner, TreeMask())
-    step.verifying = dict(trees)
+    kv_caches = lambda: pytest.fail("no KV cache given")  # noqa: E731
     if kv is not None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
         impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the reader
-        step.kv_caches = lambda: [(impl, kv)]
+        kv_caches = lambda: [(impl, kv)]  # noqa: E731
+    step = TreeVerifier(runner, session(), kv_caches)
+    step.session.verifying = dict(trees)
     return step
 
 
@@ -87,7 +96,7 @@ def test_greedy_walk_emits_the_targets_draws(draws, path):
     emitted = [draws[n] for n in nodes]
     assert out[0, : len(emitted)].tolist() == emitted
     assert (out[0, len(emitted):] == PLACEHOLDER).all()
-    assert step.verifying == {}  # the step's trees are released after the walk
+    assert step.session.verifying == {}  # the step's trees are released after the walk
 
 
 def test_duplicate_sibling_tokens_follow_the_first_node():
@@ -229,7 +238,7 @@ def test_chains_and_rejected_trees_move_nothing(cache):
     kv, block_table, keys, _ = cache
     step = step_with({"a": VerifiedTree(chain_tree([5, 7, 8, 1]), 13, 0, compact=False)},
                      kv, block_table)
-    step.kv_caches = lambda: pytest.fail("no KV move expected")
+    step.kv_caches = lambda: pytest.fail("no KV move expected")  # noqa: E731
     out = verify(step, [4], logits_for([5, 7, 8, 3, 3]), sampling(1)).sampled_token_ids
     assert out[0, :4].tolist() == [5, 7, 8, 3]  # a chain walk: accepted 3, bonus 3
 
@@ -248,27 +257,32 @@ def runner_for_prepare(num_computed, drafts_per_req):
                            query_start_loc=SimpleNamespace(np=starts))
 
 
+def verifier_for_prepare(runner) -> TreeVerifier:
+    return TreeVerifier(runner, session(), lambda: pytest.fail("no KV move expected"))
+
+
 def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
     drafts = {"a": [5, 6, 7, 8], "b": [0, 0, 0, 0]}
     runner = runner_for_prepare([40, 90], drafts)
-    step = TreeStep(runner, TreeMask())
-    step.drafted = {"a": tree()}  # "b" has no stored tree: vLLM's placeholder drafts
+    step = verifier_for_prepare(runner)
+    step.session.pending = {"a": tree()}  # "b" has no pending tree: vLLM's placeholder drafts
     sched = SimpleNamespace(scheduled_spec_decode_tokens=drafts)
     step.prepare_verify(sched)
     # tree "a": node i at position L + depth(i); chain "b" keeps vLLM's positions
     assert runner.positions[:5].tolist() == [40, 41, 41, 42, 42]
     assert runner.positions[5:].tolist() == [90, 91, 92, 93, 94]
-    assert step.verifying["a"].compact and step.verifying["a"].root == 40
-    assert not step.verifying["b"].compact and step.verifying["b"].tree.parents == [-1, 0, 1, 2, 3]
-    assert [r.req_index for r in step.plan.rows] == [0]
+    verifying = step.session.verifying
+    assert verifying["a"].compact and verifying["a"].root == 40
+    assert not verifying["b"].compact and verifying["b"].tree.parents == [-1, 0, 1, 2, 3]
+    assert [r.req_index for r in step.session._verify_plan.rows] == [0]
     with step.verify_forward():
-        assert step.mask.plan is not None and step.mask.plan.rows[0].prefix_len == 40
-    assert step.mask.plan is None and step.plan is None  # one forward only
+        assert step.session.mask.plan is not None and step.session.mask.plan.rows[0].prefix_len == 40
+    assert step.session.mask.plan is None and step.session._verify_plan is None  # one forward
     # the same scheduled drafts again (no new propose): no stale tree is reused
     runner = runner_for_prepare([40, 90], drafts)
     step.runner = runner
     step.prepare_verify(sched)
-    assert not step.verifying["a"].compact and step.plan is None
+    assert not step.session.verifying["a"].compact and step.session._verify_plan is None
     assert runner.positions[:5].tolist() == [40, 41, 42, 43, 44]
 
 
@@ -277,29 +291,14 @@ def test_a_drafted_chain_verifies_with_the_backends_causal_rows():
     recomputed, the chain is still walked as a drafted tree, and its verify is still timed."""
     drafts = {"a": [5, 6, 7]}
     runner = runner_for_prepare([40], drafts)
-    step = TreeStep(runner, TreeMask())
+    step = verifier_for_prepare(runner)
     chain = chain_tree(drafts["a"])
-    step.drafted = {"a": StoredTree(chain.tokens, chain.parents, chain.mask, 1)}
+    step.session.pending = {"a": StoredTree(chain.tokens, chain.parents, chain.mask, 1)}
     step.prepare_verify(SimpleNamespace(scheduled_spec_decode_tokens=drafts))
-    assert step.plan is None and step.verifying["a"].compact
+    assert step.session._verify_plan is None and step.session.verifying["a"].compact
     assert runner.positions.tolist() == [40, 41, 42, 43]
     with step.verify_forward():
-        assert step.mask.plan is None and step._verify_start is not None
-
-
-def test_store_keeps_each_requests_level_masses_for_the_tuner():
-    from vllm_subspec.tree import TreeBatch, TreeShape
-
-    tree = TreeBatch(TreeShape(2, 3), torch.tensor([7, 9]))
-    tree.grow(torch.randn(2, 11).log_softmax(-1))
-    tree.grow(torch.randn(2, 2, 11).log_softmax(-1))
-    step = TreeStep(None, TreeMask())
-    log_mass = tree.log_mass[:, : tree.grown + 1]
-    step.store(["a", "b"], tree, log_mass)
-    assert step.drafted["b"].level_log_mass == log_mass[1].tolist()
-    assert len(step.drafted["a"].level_log_mass) == tree.grown + 1 == 3
-    step.store(["a", "b"], tree)  # a fixed shape: no tuner, no masses read
-    assert step.drafted["a"].level_log_mass == [] and step.drafted["a"].width == 2
+        assert step.session.mask.plan is None and step.session._verify_start is not None
 
 
 def sampler_on(path: str) -> Sampler:

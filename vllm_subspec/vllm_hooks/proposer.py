@@ -1,7 +1,8 @@
-"""SubSpecProposer: vLLM's draft-model proposer with the target itself, in draft mode, as draft.
+"""SubSpecProposer: vLLM's drafter interface for SubSpec, and the draft's forwards.
 
-The draft shares the target's attention layers, so it reads the target's verified KV and writes
-its own KV into the same cache. What keeps that lossless:
+The draft is the target itself in draft mode (`draft_model.DraftModel`: offloaded layers swapped
+for their resident substitutes); it shares the target's attention layers, so it reads the
+target's verified KV and writes its own KV into the same cache. What keeps that lossless:
 
 * each step's first draft pass processes only the bonus/correction token (at position p+1, p being
   the last verified position), never an already-accepted token: vLLM's own draft-model first pass
@@ -10,21 +11,14 @@ its own KV into the same cache. What keeps that lossless:
   (`num_lookahead_tokens` = draft tokens per step), and the next verify pass rewrites exactly
   those slots before it reads them (vLLM writes a layer's KV before computing its attention).
 
-Chain (tree_width 1): argmax drafting (sharpening does not change an argmax), verified by vLLM's
-rejection sampler with token ids only, which is lossless for greedy and sampled requests alike.
-
-Tree (tree_width k > 1): the root pass over the bonus token, then D-1 passes over the k frontier
-nodes with an ancestor-only mask (`tree_attention`), keeping the global top-k by cumulative
-sharpened log-probability (`tree.TreeBatch`). The trees go to `verify.TreeStep`, which owns
-them from there: vLLM schedules the D*k nodes as draft tokens, the step gives them depth-based
-positions and the tree mask, walks the tree and moves the accepted path's KV into place.
+What to draft is the step session's (`step/session.py`, `step/draft.py`); this module turns its
+passes into vLLM forwards (`VllmDraftPasses`: attention metadata, slots, positions).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import numpy as np
 import torch
@@ -35,12 +29,11 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_subspec.config import options_from_vllm_config
-from vllm_subspec.draft_model import DraftModel, SubstituteSet, decoder_layers
-from vllm_subspec.prefetch_overlap import PrefetchOverlap
-from vllm_subspec.shape_tuner import ShapeTuner
-from vllm_subspec.tree import TreeBatch, TreeShape, sharpened_log_probs, widest_level
-from vllm_subspec.tree_attention import TreeMask, TreePlan, TreeRows, logical_to_slots
-from vllm_subspec.verify import TreeStep
+from vllm_subspec.draft_model.model import DraftModel, SubstituteSet, decoder_layers
+from vllm_subspec.step.paged_kv import logical_to_slots
+from vllm_subspec.step.session import StepSession
+from vllm_subspec.step.tree import widest_level
+from vllm_subspec.vllm_hooks.prefetch_overlap import PrefetchOverlap
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -52,24 +45,12 @@ PER_REQUEST_FIELDS = ("causal", "encoder_seq_lens", "encoder_seq_lens_cpu", "dcp
 
 
 class SubSpecProposer(DraftModelProposer):
-    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner,
+                 session: StepSession):
         super().__init__(vllm_config, device, runner)
         self.options = options_from_vllm_config(vllm_config)
         self.runner = runner
-        self.tree_shape = TreeShape(self.options.tree_width, self.options.tree_depth)
-        # the tree rows of the forward in progress (draft or verify), read by the attention layers
-        self.tree_mask = TreeMask()
-        # the verify side of a tree step; the runner uses it as its rejection sampler
-        # auto shapes: the tuner picks each step's width and depth from measured costs
-        self.tuner = ShapeTuner(self.options.widths, self.options.tree_depth,
-                                self.options.auto_width, self.options.auto_depth) \
-            if self.options.is_auto and self.options.is_tree else None
-        self.tree_step = TreeStep(runner, self.tree_mask, self.tuner) \
-            if self.options.is_tree else None
-        self.draft_seconds = 0.0  # wall time spent drafting (benchmarks read it over RPC)
-        self.draft_calls = 0
-        self.draft_passes = 0  # draft forwards (benchmarks: passes per emitted token)
-        self._last_draft_end: float | None = None  # for the tuner's "rest of a step" time
+        self.session = session  # decides what to draft; owns the tree mask and the tuner
         self._peak_temporaries_profiled = False  # dummy_run: once, in vLLM's profiling pass
         self.prefetch_overlap: PrefetchOverlap | None = None  # set in load_model
 
@@ -99,9 +80,7 @@ class SubSpecProposer(DraftModelProposer):
         if len(self._draft_attn_layer_names) != len(target_attn):
             raise RuntimeError("vllm-subspec: could not map every decoder layer to its attention")
         for name in self._draft_attn_layer_names:  # draft and verify forwards share the mask
-            self.tree_mask.attach(all_attn[name].impl)
-        if self.tree_step is not None:
-            self.tree_step.kv_caches = self._kv_caches
+            self.session.mask.attach(all_attn[name].impl)
         if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now
             substitutes.warm_up(self.vllm_config.scheduler_config.max_num_seqs,
                                 self.options.widths, self.vllm_config.model_config.dtype,
@@ -173,36 +152,20 @@ class SubSpecProposer(DraftModelProposer):
         mm_embed_inputs=None,
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | list[list[int]]:
+        """vLLM's drafter call (gpu_model_runner.py 0.32.0 `propose_draft_token_ids`)."""
         if self.prefetch_overlap is not None:  # first, so the copies run while this step drafts
             self.prefetch_overlap.start_before_draft()
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
-        start = time.perf_counter()
         cad, last_verified = self.bonus_token_metadata(common_attn_metadata,
                                                        num_rejected_tokens_gpu)
         if num_speculative_tokens == 0:
             return torch.empty(batch_size, 0, dtype=torch.int64, device=next_token_ids.device)
-        if self.options.is_tree:
-            drafts = self.draft_tree(cad, last_verified, next_token_ids)
-        else:
-            drafts = self.draft_chain(cad, last_verified, next_token_ids, num_speculative_tokens)
-        if torch.is_tensor(drafts) and drafts.is_cuda:
-            # the compute stream only: the offloader's copy stream keeps going
-            torch.cuda.current_stream().synchronize()
-        end = time.perf_counter()
-        verify_seconds = self.tree_step.take_verify_seconds() if self.tree_step else None
-        if self.tuner is not None and self._last_draft_end is not None and verify_seconds:
-            # the rest of a step: from the end of the last draft to this one, less the verify
-            # (not across an idle engine: the gap must be a step's, not a pause's)
-            other = start - self._last_draft_end - verify_seconds
-            if other < 4 * (verify_seconds + end - start):
-                self.tuner.observe_other(other)
-        self._last_draft_end = end
-        self.draft_seconds += end - start
-        self.draft_calls += 1
-        return drafts
+        return self.session.propose(VllmDraftPasses(self, cad, last_verified),
+                                    self.runner.input_batch.req_ids[:batch_size],
+                                    next_token_ids, num_speculative_tokens)
 
     def bonus_token_metadata(self, cad, num_rejected_tokens_gpu):
         """Decode-shaped metadata whose seq_lens end at the last verified token.
@@ -237,7 +200,6 @@ class SubSpecProposer(DraftModelProposer):
     def _forward_logits(self, cad, input_ids: torch.Tensor, draft_index: int) -> torch.Tensor:
         """One draft forward over cad's tokens (positions already in self.positions)."""
         num_tokens = cad.num_actual_tokens
-        self.draft_passes += 1
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=draft_index)
         self.input_ids[:num_tokens] = input_ids
@@ -256,90 +218,6 @@ class SubSpecProposer(DraftModelProposer):
         """positions += 1, their slots, seq_lens += 1 (vLLM's helper; clamps at max_model_len)."""
         b = cad.batch_size()
         return self._update_positions_dependent_metadata(positions, cad, b, b, self.block_size)
-
-    def draft_chain(self, cad, last_verified, next_token_ids, depth: int) -> torch.Tensor:
-        input_ids, positions, drafts = next_token_ids, last_verified, []
-        for step in range(depth):
-            positions = self._advance_one(positions, cad)
-            input_ids = self._forward_logits(cad, input_ids, step).argmax(dim=-1)
-            drafts.append(input_ids)
-        return torch.stack(drafts, dim=1)
-
-    def draft_tree(self, cad, last_verified, next_token_ids) -> torch.Tensor | list[list[int]]:
-        """Draft this step's trees: the root pass, then one pass per depth over the k frontier
-        nodes. A fixed shape drafts every depth and returns [B, k*D] tokens. An auto shape asks
-        the tuner for (k, D_max) and, every `check_every` depths (each check reads the masses on
-        the host), which requests draft on: a request whose tree no longer pays drops out of
-        the later passes, and drafting ends when none is left. It returns each request's tokens
-        down to the depth worth verifying (lists; vLLM schedules what it gets; empty ones, a
-        plain decoding step, when the tuner finds drafting does not pay).
-        """
-        batch_size = cad.batch_size()
-        tuner = self.tuner
-        plan = tuner.plan_step(batch_size) if tuner is not None else None
-        if plan is not None and plan.shape.depth == 0:  # plain decoding is predicted faster
-            return [[] for _ in range(batch_size)]
-        shape = plan.shape if plan is not None else self.tree_shape
-        k, temperature = shape.width, self.options.draft_temperature
-        adaptive = plan is not None and plan.adaptive and not plan.full_depth
-        check_every = 4 if cad.seq_lens.is_cuda else 1  # a check syncs with the device
-        start = time.perf_counter()
-        root_pos = self._advance_one(last_verified, cad).clone()  # the bonus token: L
-        roots = root_pos.tolist()  # host copies, read once per step (not per depth)
-        logits = self._forward_logits(cad, next_token_ids, 0)
-        tree = TreeBatch(shape, next_token_ids.to(torch.int64))
-        tree.grow(sharpened_log_probs(logits, temperature))
-        root_seconds = time.perf_counter() - start if not logits.is_cuda else None
-        dev = root_pos.device
-        arange_k = torch.arange(k, device=dev)
-        block_table = cad.block_table_tensor[:batch_size]
-        active = list(range(batch_size))  # the requests still drafting (host)
-        rows = None  # their indices on the device; None while all are
-        reached = [1] * batch_size  # depths drafted, per request
-        pass_rows = []  # rows of each pass after the root's
-        for d in range(1, shape.depth):
-            if adaptive and d % check_every == 0:
-                going = tuner.drafting_next(tree.log_mass[:, : d + 1].cpu(), k, reached)
-                if not going:
-                    break
-                if len(going) < len(active):
-                    active = going
-                    rows = torch.tensor(active, device=dev)
-            level = shape.level(d)
-            # stop before any node of the next level would pass max_model_len
-            if max(roots[i] for i in active) + (d + 1) * k >= self.max_model_len:
-                if plan is None:
-                    tree.truncate()
-                break
-            root = root_pos if rows is None else root_pos[rows]
-            table = block_table if rows is None else block_table[rows]
-            slots = logical_to_slots(table, root[:, None] + level.start + arange_k,
-                                     self.block_size)  # node slots L + i
-            n = len(active) * k
-            self.positions[:n] = (root[:, None] + d).expand(-1, k).reshape(-1)
-            step_cad = self.tree_pass_metadata(cad, root, table, slots.reshape(-1), d, k,
-                                               None if rows is None else active)
-            # a chain's ancestor-only mask is the causal one: the backend's result stands
-            plan_rows = TreePlan([TreeRows(j, j * k, roots[i], tree.mask[i, level, : level.stop])
-                                  for j, i in enumerate(active)]) if k > 1 else None
-            with self.tree_mask.active(plan_rows):
-                logits = self._forward_logits(step_cad, tree.frontier_tokens(rows).reshape(-1), d)
-            tree.grow(sharpened_log_probs(logits, temperature).view(len(active), k, -1), rows)
-            pass_rows.append(n)
-            for i in active:
-                reached[i] = d + 1
-        req_ids = self.runner.input_batch.req_ids[:batch_size]
-        if plan is None:
-            self.tree_step.store(req_ids, tree)
-            return tree.tokens[:, 1:]
-        log_mass = tree.log_mass[:, : tree.grown + 1].cpu()  # one host read: tuner and store
-        self.tree_step.store(req_ids, tree, log_mass)
-        if logits.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        tuner.observe_draft(k, batch_size, pass_rows, time.perf_counter() - start, root_seconds)
-        depths = tuner.verify_depths(log_mass, k, reached)
-        tokens = tree.tokens[:, 1:].tolist()
-        return [row[: k * d] for row, d in zip(tokens, depths)]
 
     def tree_pass_metadata(self, cad, root, block_table, slots, d: int, k: int,
                            active: list[int] | None):
@@ -373,12 +251,65 @@ class SubSpecProposer(DraftModelProposer):
             _token_to_req_indices_cache=None,
         )
 
-    def _kv_caches(self) -> list[tuple[object, torch.Tensor]]:
+    def kv_caches(self) -> list[tuple[object, torch.Tensor]]:
         """(attention impl, per-layer KV cache) of every decoder layer: the impl picks the
-        cache reader (`tree_attention.layout_for`)."""
+        cache reader (`paged_kv.layout_for`)."""
         ctx = self.vllm_config.compilation_config.static_forward_context
         caches = []
         for name in sorted(self._draft_attn_layer_names):
             kv = ctx[name].kv_cache
             caches.append((ctx[name].impl, kv[0] if isinstance(kv, (list, tuple)) else kv))
         return caches
+
+
+class VllmDraftPasses:
+    """`step.draft.DraftPasses` over one step's vLLM batch: the draft's forwards with the
+    attention metadata, slots and positions of each pass (node i of a request in slot L + i at
+    position L + depth(i))."""
+
+    def __init__(self, proposer: SubSpecProposer, cad, last_verified: torch.Tensor):
+        self.proposer = proposer
+        self.cad = cad  # decode-shaped: one token per request, seq_lens ending at p
+        self.positions = last_verified  # [B] of the last pass's tokens
+        self.batch_size = cad.batch_size()
+        self.max_model_len = proposer.max_model_len
+        self.on_device = cad.seq_lens.is_cuda
+        self._root: torch.Tensor | None = None  # [B] L
+        self._active: tuple[list[int] | None, torch.Tensor | None] = (None, None)
+
+    def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.positions = self.proposer._advance_one(self.positions, self.cad)
+        self._root = self.positions.clone()
+        return self.proposer._forward_logits(self.cad, next_token_ids, 0), self._root
+
+    def chain_pass(self, index: int, input_ids: torch.Tensor) -> torch.Tensor:
+        self.positions = self.proposer._advance_one(self.positions, self.cad)
+        return self.proposer._forward_logits(self.cad, input_ids, index)
+
+    def level_pass(self, depth: int, width: int, tokens: torch.Tensor,
+                   active: list[int] | None) -> torch.Tensor:
+        p, cad = self.proposer, self.cad
+        rows = self._rows(active)
+        root = self._root if rows is None else self._root[rows]
+        table = cad.block_table_tensor[: self.batch_size]
+        table = table if rows is None else table[rows]
+        level_start = (depth - 1) * width + 1
+        offsets = torch.arange(level_start, level_start + width, device=root.device)
+        slots = logical_to_slots(table, root[:, None] + offsets, p.block_size)  # L + i
+        n = root.shape[0] * width
+        p.positions[:n] = (root[:, None] + depth).expand(-1, width).reshape(-1)
+        step_cad = p.tree_pass_metadata(cad, root, table, slots.reshape(-1), depth, width,
+                                        active)
+        return p._forward_logits(step_cad, tokens, depth)
+
+    def _rows(self, active: list[int] | None) -> torch.Tensor | None:
+        """The device indices of `active`, made once per change of the active set."""
+        if active is None:
+            return None
+        if self._active[0] is not active:
+            self._active = (active, torch.tensor(active, device=self._root.device))
+        return self._active[1]
+
+    def synchronize(self) -> None:
+        if self.on_device:  # the compute stream only: the offloader's copy stream keeps going
+            torch.cuda.current_stream().synchronize()

@@ -54,7 +54,7 @@ def _patch_create_speculative_config() -> None:
             if isinstance(spec, dict) and spec.get("method") == METHOD:
                 from vllm.platforms import current_platform
 
-                from vllm_subspec.engine_rules import (
+                from vllm_subspec.vllm_hooks.engine_rules import (
                     apply_platform_rules, translate_speculative_config)
 
                 self.speculative_config, self.additional_config, options = \
@@ -103,7 +103,7 @@ def _patch_weight_hook() -> None:
             vllm_config = get_current_vllm_config_or_none()
             options = options_from_vllm_config(vllm_config) if vllm_config else None
             if options is not None and model_config is vllm_config.model_config:
-                from vllm_subspec.draft_model import attach_substitutes
+                from vllm_subspec.draft_model.model import attach_substitutes
 
                 attach_substitutes(model, options, vllm_config, torch.device(target_device))
             return original(model, model_config, target_device)
@@ -125,16 +125,9 @@ def _patch_model_runner() -> None:
             original(self, vllm_config, device, *args, **kwargs)
             options = options_from_vllm_config(vllm_config)
             if options is not None and hasattr(self, "drafter"):
-                from vllm.platforms import current_platform
+                from vllm_subspec.vllm_hooks.install import install_subspec
 
-                from vllm_subspec.engine_rules import check_final_config
-                from vllm_subspec.proposer import SubSpecProposer
-
-                check_final_config(vllm_config, options, current_platform)
-
-                self.drafter = SubSpecProposer(vllm_config, device, runner=self)
-                if options.is_tree:  # trees are verified by sample-then-match, not vLLM's chain
-                    self.rejection_sampler = self.drafter.tree_step
+                install_subspec(self, vllm_config, device, options)
 
         return __init__
 
@@ -145,31 +138,29 @@ def _patch_model_runner() -> None:
 # Targets: vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs (0.32.0 :1920) and
 # GPUModelRunner._model_forward (0.32.0 :3620, 0.33.0 :3586; "can be overridden by subclasses
 # for model execution"). After vLLM has laid the drafts out as a chain and computed their slots,
-# the tree step rewrites positions and builds the tree mask (`verify.TreeStep.prepare_verify`);
-# the mask is active for the verify forward only (`TreeStep.verify_forward`).
-def _tree_step(runner):
-    return getattr(getattr(runner, "drafter", None), "tree_step", None)
-
-
+# the tree verifier rewrites positions and builds the tree mask (`TreeVerifier.prepare_verify`);
+# the mask is active for the verify forward only (`TreeVerifier.verify_forward`).
 def _patch_tree_verify() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_subspec.vllm_hooks.install import tree_verifier_of
 
     def make_prepare(original):
         def _prepare_inputs(self, scheduler_output, *args, **kwargs):
             out = original(self, scheduler_output, *args, **kwargs)
-            step = _tree_step(self)
-            if step is not None:
-                step.prepare_verify(scheduler_output)
+            verifier = tree_verifier_of(self)
+            if verifier is not None:
+                verifier.prepare_verify(scheduler_output)
             return out
 
         return _prepare_inputs
 
     def make_forward(original):
         def _model_forward(self, *args, **kwargs):
-            step = _tree_step(self)
-            if step is None:
+            verifier = tree_verifier_of(self)
+            if verifier is None:
                 return original(self, *args, **kwargs)
-            with step.verify_forward():
+            with verifier.verify_forward():
                 return original(self, *args, **kwargs)
 
         return _model_forward
@@ -186,7 +177,7 @@ def _patch_tree_verify() -> None:
 def _patch_attention_backends() -> None:
     from vllm.platforms import current_platform
 
-    from vllm_subspec.tree_attention import apply_tree_attention
+    from vllm_subspec.step.tree_attention import apply_tree_attention
 
     def make(original):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
@@ -220,7 +211,7 @@ def _patch_cpu_expand() -> None:
         return
     from vllm.v1.sample import rejection_sampler
 
-    from vllm_subspec.cpu_sampling_fix import expand_batch_to_tokens
+    from vllm_subspec.vllm_hooks.cpu_sampling_fix import expand_batch_to_tokens
 
     _wrap(rejection_sampler, "expand_batch_to_tokens", lambda original: expand_batch_to_tokens,
           "cpu_expand")
@@ -230,7 +221,7 @@ def _patch_cpu_expand() -> None:
 # Target: vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder.__init__ (0.32.0 :132),
 # which picks the attention ISA (`_get_attn_isa` :520: "amx" for bf16 on AMX CPUs) and stamps it
 # on every layer of its group (`_set_isa_to_layers` :169); the layers' KV is written in that
-# ISA's layout. The rule (vec for trees) lives in tree_attention.tree_cpu_attn_isa.
+# ISA's layout. The rule (vec for trees) lives in paged_kv.tree_cpu_attn_isa.
 def _patch_cpu_attention_isa() -> None:
     from vllm.platforms import current_platform
 
@@ -243,7 +234,7 @@ def _patch_cpu_attention_isa() -> None:
             original(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs)
             options = options_from_vllm_config(vllm_config)
             if options is not None and options.is_tree:
-                from vllm_subspec.tree_attention import tree_cpu_attn_isa
+                from vllm_subspec.step.paged_kv import tree_cpu_attn_isa
 
                 isa = tree_cpu_attn_isa(self.isa)
                 if isa != self.isa:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_subspec.substitute import QuantizedWeight
+from vllm_subspec.draft_model.substitute import QuantizedWeight
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -230,7 +230,7 @@ def quantized_weights(jobs, options, device: torch.device, cache: SubstituteCach
     one linear's full-precision weight and codes are on `device` beyond the kernels built."""
     from tqdm import tqdm
 
-    from vllm_subspec.substitute import quantize
+    from vllm_subspec.draft_model.substitute import quantize
 
     built, start = 0, time.perf_counter()
     with all_threads():

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from vllm_subspec.config import SUBSTITUTE_LINEARS, SubSpecConfigError, SubSpecOptions
-from vllm_subspec.substitute import SubstituteLinear, substitute_from_quantized
+from vllm_subspec.draft_model.substitute import SubstituteLinear, substitute_from_quantized
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -115,7 +115,7 @@ def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
     offloader put in host memory) and attach them to the freshly loaded target (weight hook)."""
     from vllm.model_executor.offloader.base import get_offloader
 
-    from vllm_subspec.layer_selection import offloaded_layer_indices
+    from vllm_subspec.draft_model.layer_selection import offloaded_layer_indices
 
     if SubstituteSet.of(model) is not None:
         return
@@ -164,7 +164,7 @@ def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSp
     cache: a `SubstituteCache`, None (build everything), or "auto": the cache for the model of
     the current vLLM config (`substitute_cache` option), if any. max_rows: the most rows a draft
     pass can send (the CPU kernel's choice per row count, `substitute.Int4CpuKernel`)."""
-    from vllm_subspec.substitute_cache import cache_for_current_model, quantized_weights
+    from vllm_subspec.draft_model.substitute_cache import cache_for_current_model, quantized_weights
 
     if cache == "auto":
         cache = cache_for_current_model(options)

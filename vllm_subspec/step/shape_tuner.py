@@ -10,8 +10,9 @@ over requests of 1 + sum_{j<=d} P(the walk accepts a depth-j node) tokens. Every
 decides how much to draft: the target verifies whatever was drafted, so no decision can change
 what a request outputs.
 
-- `LinearCost`: t_pass(rows) and t_verify(rows), fitted online as a + b * rows, per width (a
-  chain's verify rows are causal and cost little; a tree's rows each need masked attention).
+- `StepCosts` of `LinearCost`s: t_pass(rows) and t_verify(rows), fitted online as a + b * rows,
+  per width (a chain's verify rows are causal and cost little; a tree's rows each need masked
+  attention). Injectable: a benchmark or test passes its own cost model (`use_costs`).
 - `MassCalibration`: P(depth j accepted) from the draft's own belief, the frontier mass at depth
   j - 1 (the summed sharpened path probability of the k nodes kept there), calibrated online
   against what the target accepted.
@@ -34,7 +35,7 @@ import logging
 
 import torch
 
-from vllm_subspec.tree import TreeShape
+from vllm_subspec.step.tree import TreeShape
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -155,6 +156,22 @@ class WidthAcceptance:
 
 
 @dataclasses.dataclass
+class StepCosts:
+    """The cost model a tuner decides with: each cost is called with a row count and returns
+    seconds (`LinearCost`'s interface: `add`, `known`, `__call__`, `per_row`)."""
+
+    draft_pass: dict  # width -> cost of a pass over that many rows (0: the root passes, B rows)
+    verify: dict  # width -> the target's pass over width-w trees
+    other: LinearCost  # rest of a step (scheduling, sampling): a constant
+
+    @classmethod
+    def measured(cls, widths: tuple[int, ...]) -> StepCosts:
+        """Fitted online from this engine's own timings."""
+        return cls({w: LinearCost() for w in (0, *widths)}, {w: LinearCost() for w in widths},
+                   LinearCost())
+
+
+@dataclasses.dataclass
 class StepPlan:
     """This step's drafting budget."""
 
@@ -166,18 +183,17 @@ class StepPlan:
 class ShapeTuner:
     """Chooses each tree step's width and depth from online measurements (module docstring).
 
-    The proposer asks `plan_step` before drafting, `drafting_next` after each depth, and
-    `verify_depths` at the end; it reports its time with `observe_draft`. The verify side reports
-    `observe_verify` (time of the target's tree pass) and `observe_tree` (what was accepted)."""
+    Driven by the step session only (step/session.py): `plan_step` before drafting,
+    `drafting_next` during it, `verify_depths` at its end; `observe_draft`, `observe_verify`
+    (the target's tree pass), `observe_other` (the rest of a step) and `observe_tree` (what was
+    accepted) report what happened. `costs`: the cost model (default: measured online)."""
 
     def __init__(self, widths: tuple[int, ...], max_depth: int, auto_width: bool,
-                 auto_depth: bool):
+                 auto_depth: bool, costs: StepCosts | None = None):
         self.widths = widths
         self.max_depth = max_depth
         self.auto_width, self.auto_depth = auto_width, auto_depth
-        self.draft_pass = {w: LinearCost() for w in (0, *widths)}  # 0: root passes (B rows)
-        self.verify = {w: LinearCost() for w in widths}  # the target's pass over width-w trees
-        self.other = LinearCost()  # rest of a step (scheduling, sampling): a constant
+        self.use_costs(costs or StepCosts.measured(widths))
         self.calibration = MassCalibration()
         self.acceptance = {w: WidthAcceptance(max_depth) for w in widths}
         self.width = max(widths)
@@ -185,6 +201,22 @@ class ShapeTuner:
         self.drafting = (self.width, self.depth)  # the best drafting shape of the last choice
         self.steps = 0
         self.last_run = {w: -1 for w in widths}
+
+    def use_costs(self, costs: StepCosts) -> None:
+        """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark)."""
+        self.costs = costs
+
+    @property
+    def draft_pass(self) -> dict:
+        return self.costs.draft_pass
+
+    @property
+    def verify(self) -> dict:
+        return self.costs.verify
+
+    @property
+    def other(self):
+        return self.costs.other
 
     # ---- across steps: the shape ---------------------------------------------------------
     def plan_step(self, batch_size: int) -> StepPlan:

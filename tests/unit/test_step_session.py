@@ -1,0 +1,278 @@
+"""One whole SubSpec step through `StepSession`, in run order, with a stub runner: the draft's
+passes and the target's logits come from two small synthetic "language models" (next-token
+tables), the KV cache is a real CPU-backend cache. No engine, seconds.
+
+The check is the product's promise on a toy: whatever the draft proposes, the tokens a greedy
+step emits are the target's own greedy continuation, and the accepted path's KV ends up right
+after the root.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_subspec.config import SubSpecOptions
+from vllm_subspec.step.paged_kv import CpuVecLayout, logical_to_slots
+from vllm_subspec.step.session import StepSession, VerifyRequest
+from vllm_subspec.step.shape_tuner import LinearCost, ShapeTuner, StepCosts
+
+V = 12
+BS, KV_HEADS, D = 16, 2, 32
+
+
+def next_token_table(seed: int) -> torch.Tensor:
+    """[V, V] logits of the next token given the current one (a bigram model)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, V, generator=g) * 3
+
+
+DRAFT = next_token_table(1)
+# the target agrees with the draft on most tokens: trees get accepted partway
+TARGET = DRAFT.clone()
+TARGET[[3, 7, 10]] = next_token_table(2)[[3, 7, 10]]
+
+
+class StubPasses:
+    """`step.draft.DraftPasses` over the bigram draft; records what each pass was given."""
+
+    on_device = False
+
+    def __init__(self, roots: list[int], mask, max_model_len: int = 1000):
+        self.roots = torch.tensor(roots)
+        self.batch_size = len(roots)
+        self.max_model_len = max_model_len
+        self.mask = mask
+        self.calls = []
+
+    def bonus_pass(self, next_token_ids):
+        self.calls.append(("bonus", next_token_ids.tolist(), None))
+        return DRAFT[next_token_ids], self.roots
+
+    def chain_pass(self, index, input_ids):
+        self.calls.append(("chain", input_ids.tolist(), None))
+        return DRAFT[input_ids]
+
+    def level_pass(self, depth, width, tokens, active):
+        plan = self.mask.plan
+        self.calls.append(("level", tokens.tolist(), active,
+                           None if plan is None else [r.prefix_len for r in plan.rows]))
+        return DRAFT[tokens]
+
+    def synchronize(self):
+        pass
+
+
+def target_greedy(token: int, n: int) -> list[int]:
+    """Plain greedy decoding of the target from `token`: the next n tokens."""
+    out = []
+    for _ in range(n):
+        token = int(TARGET[token].argmax())
+        out.append(token)
+    return out
+
+
+def greedy_sampling(batch: int):
+    return SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None,
+                           generators={}, max_num_logprobs=None)
+
+
+def kv_cache(num_blocks: int = 8):
+    """A CPU-backend (vec16 layout) cache whose slot s holds keys/values equal to s."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    kv = torch.zeros(num_blocks, KV_HEADS, BS, 2 * D)
+    layout = CpuVecLayout(kv)
+    slots = torch.arange(num_blocks * BS)
+    fill = slots.float()[:, None, None].expand(-1, KV_HEADS, D)
+    layout.put(slots, fill, fill)
+    return [(object.__new__(CPUAttentionBackendImpl), kv)], layout
+
+
+def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec: int):
+    """propose -> prepare_verify -> verify_forward -> sample_and_walk -> compact."""
+    passes = StubPasses(roots, session.mask)
+    req_ids = [f"r{i}" for i in range(len(roots))]
+    drafts = session.propose(passes, req_ids, torch.tensor(bonus), num_spec)
+    drafts = drafts.tolist() if torch.is_tensor(drafts) else drafts
+    # vLLM schedules the drafts as a chain after each root: query rows root, d_1, d_2, ...
+    requests, starts, q = [], [], 0
+    for i, (rid, d) in enumerate(zip(req_ids, drafts)):
+        if d:
+            requests.append(VerifyRequest(i, rid, list(d), roots[i], q))
+        starts.append(q)
+        q += len(d) + 1
+    positions = torch.tensor([r + j for r, d in zip(roots, drafts) for j in range(len(d) + 1)])
+    for w in session.prepare_verify(requests):
+        positions[w.start: w.start + len(w.positions)] = w.positions
+    with session.verify_forward():
+        plan = session.mask.plan
+    # the target's logits at every node: its next token after the node's own token
+    node_tokens = [t for b, d in zip(bonus, drafts) for t in [b, *d]]
+    logits = TARGET[torch.tensor(node_tokens)]
+    walk = session.sample_and_walk(req_ids, [len(d) for d in drafts], logits,
+                                   greedy_sampling(len(roots)), topk_topp_sampler=None)
+    kv_caches, layout = kv_cache()
+    table = torch.arange(8, dtype=torch.int32).flip(0).reshape(2, 4)  # blocks out of order
+    session.compact(walk.moves, kv_caches, table)
+    return SimpleNamespace(passes=passes, drafts=drafts, positions=positions, plan=plan,
+                           walk=walk, layout=layout, table=table)
+
+
+def emitted(walk, i: int) -> list[int]:
+    return [t for t in walk.tokens[i].tolist() if t >= 0]
+
+
+def assert_kv_compacted(step, i: int, root: int):
+    """Slot L + j now holds what slot L + path[j - 1] held (the fill value: its old slot)."""
+    path = step.walk.paths[i]
+    slots = logical_to_slots(step.table[i], root + torch.arange(1, len(path) + 1), BS)
+    was = logical_to_slots(step.table[i], root + torch.tensor(path, dtype=torch.int64), BS)
+    keys, values = step.layout.gather(slots)
+    assert torch.equal(keys[:, 0, 0], was.float()) and torch.equal(values[:, 0, 0], was.float())
+
+
+def test_a_fixed_tree_step_emits_the_targets_greedy_tokens_and_compacts_kv():
+    options = SubSpecOptions.from_dict({"tree_width": 3, "tree_depth": 4})
+    session = StepSession.from_options(options)
+    assert session.tuner is None
+    roots, bonus = [5, 20], [3, 8]
+    step = run_step(session, roots, bonus, options.num_draft_tokens)
+
+    # drafting: the bonus pass, then one pass per depth over every request's 3 frontier nodes,
+    # each under the tree mask of both requests (prefix = the root's position)
+    kinds = [c[0] for c in step.passes.calls]
+    assert kinds == ["bonus", "level", "level", "level"]
+    assert all(c[3] == roots and len(c[1]) == 2 * 3 for c in step.passes.calls[1:])
+    assert [len(d) for d in step.drafts] == [12, 12]  # k * D tokens each (vLLM's fixed size)
+    assert session.stats.draft_calls == 1 and session.stats.draft_passes == 4
+    assert session.pending == {}  # consumed by prepare_verify: verified at most once
+
+    # verify: positions are root + depth, and the plan's rows cover both trees
+    depths = [0] + [1 + j // 3 for j in range(12)]
+    assert step.positions.tolist() == [r + d for r in roots for d in depths]
+    assert [r.prefix_len for r in step.plan.rows] == roots
+    assert session.mask.plan is None  # only inside the verify forward
+
+    # sample, then match: the emitted tokens are the target's own greedy decoding
+    for i, (root, b) in enumerate(zip(roots, bonus)):
+        out = emitted(step.walk, i)
+        assert out == target_greedy(b, len(out))
+        assert len(out) == len(step.walk.paths[i]) + 1
+        assert_kv_compacted(step, i, root)
+    assert any(step.walk.paths), "the draft agrees with the target often: something accepted"
+    assert session.stats.verified_trees == 2
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 0.01
+        return self.now
+
+
+def test_an_auto_step_feeds_the_tuner_from_the_session_only():
+    options = SubSpecOptions.from_dict({"tree_width": "auto", "tree_depth": "auto"})
+    tuner = ShapeTuner(options.widths, 6, options.auto_width, options.auto_depth)
+    clock = FakeClock()
+    session = StepSession(options, tuner, clock=clock)
+    roots, bonus = [5, 20], [3, 8]
+    step = run_step(session, roots, bonus, options.num_draft_tokens)
+
+    k = max(options.widths)  # the widest width is explored first
+    assert [len(d) % k for d in step.drafts] == [0, 0] and step.plan is not None
+    for i, b in enumerate(bonus):
+        out = emitted(step.walk, i)
+        assert out == target_greedy(b, len(out))
+        assert_kv_compacted(step, i, roots[i])
+    # the session told the tuner what the draft and the verify cost and what was accepted
+    assert tuner.draft_pass[0].known and tuner.verify[k].known
+    assert tuner.acceptance[k].steps == 2
+    # a second step: the rest-of-step time between the two is observed too
+    run_step(session, roots, [step.walk.tokens[0, 0].item(), step.walk.tokens[1, 0].item()],
+             options.num_draft_tokens)
+    assert tuner.other.known and session.stats.draft_calls == 2
+
+
+def test_an_auto_step_keeps_each_requests_level_masses_for_the_tuner():
+    options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
+    tuner = ShapeTuner(options.widths, 3, options.auto_width, options.auto_depth)
+    session = StepSession(options, tuner)
+    passes = StubPasses([5, 9], session.mask)
+    session.propose(passes, ["a", "b"], torch.tensor([3, 8]), options.num_draft_tokens)
+    masses = session.pending["b"].level_log_mass
+    assert len(masses) == 4 and masses[0] == 0.0 and all(m <= 0 for m in masses)
+    fixed = StepSession.from_options(SubSpecOptions.from_dict({"tree_width": 2,
+                                                               "tree_depth": 3}))
+    fixed.propose(StubPasses([5, 9], fixed.mask), ["a", "b"], torch.tensor([3, 8]), 6)
+    assert fixed.pending["a"].level_log_mass == [] and fixed.pending["a"].width == 2
+
+
+def test_injected_costs_decide_and_a_plain_step_drafts_nothing():
+    """A cost model where drafting never pays: after exploring, the session drafts nothing
+    (empty drafts: vLLM runs a plain decoding step) but in one probe step per choice period."""
+
+    class Flat(LinearCost):  # seconds = c whatever the rows; observations ignored
+        def __init__(self, c):
+            super().__init__()
+            self.c = c
+
+        known = True
+
+        def add(self, rows, seconds):
+            pass
+
+        def coefficients(self):
+            return self.c, 0.0
+
+    options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
+    widths = options.widths
+
+    def steps_drafting(pass_s: float, verify_s: float) -> list[bool]:
+        costs = StepCosts({w: Flat(pass_s) for w in (0, *widths)},
+                          {w: Flat(verify_s) for w in widths}, Flat(0.0))
+        session = StepSession(options, ShapeTuner(widths, 4, False, True, costs=costs))
+        drafted = []
+        for _ in range(40):
+            step = run_step(session, [5, 20], [3, 8], options.num_draft_tokens)
+            drafted.append(any(step.drafts))
+            for i, b in enumerate([3, 8]):
+                assert emitted(step.walk, i) == target_greedy(b, len(emitted(step.walk, i)))
+        return drafted
+
+    # draft passes cost 1000x a verify: plain steps but for one probe per choice period (16)
+    expensive = steps_drafting(1.0, 1e-3)
+    assert not expensive[0] and 0 < expensive.count(True) <= 3, expensive
+    # the other way round (a GPU with offloading): every step drafts
+    assert all(steps_drafting(1e-3, 1.0))
+
+
+def test_a_chain_step_drafts_argmax_tokens_without_trees():
+    options = SubSpecOptions.from_dict({"tree_width": 1, "tree_depth": 4})
+    session = StepSession.from_options(options)
+    passes = StubPasses([5, 20], session.mask)
+    drafts = session.propose(passes, ["a", "b"], torch.tensor([3, 8]), 4)
+    assert [c[0] for c in passes.calls] == ["bonus", "chain", "chain", "chain"]
+    for row, b in zip(drafts.tolist(), [3, 8]):
+        token, expect = b, []
+        for _ in range(4):
+            token = int(DRAFT[token].argmax())
+            expect.append(token)
+        assert row == expect
+    assert session.pending == {}  # vLLM's rejection sampler verifies chains
+
+
+@pytest.mark.parametrize("limit", [30, 27])
+def test_drafting_stops_before_max_model_len(limit):
+    """Roots at 5 and 20, width 3: depth d's nodes need slots up to root + d * 3."""
+    options = SubSpecOptions.from_dict({"tree_width": 3, "tree_depth": 4})
+    session = StepSession.from_options(options)
+    passes = StubPasses([5, 20], session.mask, max_model_len=limit)
+    drafts = session.propose(passes, ["a", "b"], torch.tensor([3, 8]), 12)
+    levels = sum(c[0] == "level" for c in passes.calls)
+    assert 20 + (levels + 1) * 3 < limit <= 20 + (levels + 2) * 3
+    assert drafts.shape == (2, 12)  # a fixed shape keeps its size: dead nodes past the limit
+    assert all(t.parents[1 + 3 * (levels + 1):] == [-1] * (12 - 3 * (levels + 1))
+               for t in session.pending.values())

@@ -1,0 +1,238 @@
+"""One owner for SubSpec's speculative steps, read in run order.
+
+A step of a tree engine, as vLLM's model runner drives it (vllm_hooks/ makes the calls):
+
+1. `propose`        end of step N: draft this step's trees (`draft.draft_tree`) over the
+                    draft's forwards; keep them as pending until they are verified; hand
+                    vLLM their tokens to schedule.
+2. `prepare_verify` step N+1, after vLLM laid the scheduled drafts out as a chain: each
+                    pending tree is consumed (verified at most once); node i keeps slot L + i
+                    but moves to position L + depth(i); the ancestor-only rows form the
+                    verify's `TreePlan` (a chain's mask is the causal one: no rows).
+3. `verify_forward` around the target's forward: the plan is active for exactly that pass.
+4. `sample_and_walk` in place of vLLM's rejection sampler: sample, then match
+                    (`verify.sample_then_match`): every emitted token is the target's draw.
+5. `compact`        each accepted path's KV moves from slots L + a_j to L + j, so the next
+                    step's prefix is contiguous (every step, drafted next or not).
+
+The session owns what lives across those calls: the tree mask (shared with the target's
+attention layers), the pending and verifying trees, the shape tuner of an auto shape (fed only
+from here: draft, verify and rest-of-step times, and each verified tree's outcome), the step
+clock, and the statistics (`StepStats`). A chain (tree_width 1) uses only `propose`: vLLM's own
+rejection sampler verifies it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_subspec.config import SubSpecOptions
+from vllm_subspec.step.draft import DraftPasses, TreeDraft, draft_chain, draft_tree
+from vllm_subspec.step.paged_kv import move_kv
+from vllm_subspec.step.shape_tuner import ShapeTuner, StepPlan
+from vllm_subspec.step.tree import StoredTree, TreeShape
+from vllm_subspec.step.tree_attention import TreeMask, TreePlan, TreeRows
+from vllm_subspec.step.verify import (
+    KvMove,
+    VerifiedTree,
+    WalkResult,
+    chain_tree,
+    sample_then_match,
+)
+
+
+@dataclass
+class StepStats:
+    """Running totals over an engine's steps (benchmarks read them through collective_rpc)."""
+
+    draft_calls: int = 0  # proposals (steps that asked the drafter)
+    draft_passes: int = 0  # draft forwards
+    draft_seconds: float = 0.0  # wall time in `propose`
+    verified_trees: int = 0  # drafted trees walked by the target
+    verify_seconds: float = 0.0  # tree verifies: forward start to the end of the walk
+
+
+@dataclass
+class VerifyRequest:
+    """A request of the verify batch that has scheduled drafts."""
+
+    index: int  # its row in the batch
+    req_id: str
+    scheduled: list[int]  # the draft tokens vLLM scheduled for it
+    root: int  # L: its computed tokens, the root's (bonus token's) position
+    query_start: int  # its first query row in the verify forward
+
+
+@dataclass
+class PositionWrite:
+    """Positions of the verify forward's query rows [start, start + len(positions))."""
+
+    start: int
+    positions: torch.Tensor  # [n] int64
+
+
+class StepSession:
+    def __init__(self, options: SubSpecOptions, tuner: ShapeTuner | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.options = options
+        self.shape = TreeShape(options.tree_width, options.tree_depth)
+        self.mask = TreeMask()  # attached to the target's attention impls at load
+        self.tuner = tuner
+        self.clock = clock
+        self.stats = StepStats()
+        self.pending: dict[str, StoredTree] = {}  # drafted, not yet verified
+        self.verifying: dict[str, VerifiedTree] = {}  # this step's trees
+        self._verify_plan: TreePlan | None = None  # this step's verify rows, until the forward
+        self._verify_start: float | None = None
+        self._verify_seconds: float | None = None  # the last tree verify's, for the tuner
+        self._last_draft_end: float | None = None
+
+    @classmethod
+    def from_options(cls, options: SubSpecOptions) -> StepSession:
+        """An auto shape gets a tuner measuring this engine's costs."""
+        tuner = ShapeTuner(options.widths, options.tree_depth, options.auto_width,
+                           options.auto_depth) if options.is_auto and options.is_tree else None
+        return cls(options, tuner)
+
+    # ---- 1. propose ----------------------------------------------------------------------
+    def propose(self, passes: DraftPasses, req_ids: list[str], next_token_ids: torch.Tensor,
+                num_speculative_tokens: int) -> torch.Tensor | list[list[int]]:
+        """This step's drafts for the B requests `req_ids`: [B, D] tokens (chain), [B, k*D]
+        (fixed tree shape), or per-request lists (auto shape: empty ones when a plain step is
+        predicted faster)."""
+        start = self.clock()
+        if not self.options.is_tree:
+            chain = draft_chain(passes, next_token_ids, num_speculative_tokens)
+            drafts, num_passes = chain.tokens, chain.passes
+        else:
+            plan = self.tuner.plan_step(len(req_ids)) if self.tuner is not None \
+                else StepPlan(self.shape, adaptive=False, full_depth=True)
+            drafts, num_passes = self._draft_trees(passes, req_ids, next_token_ids, plan)
+        passes.synchronize()  # the compute stream only: the offloader's copies keep going
+        end = self.clock()
+        self._clock_rest_of_step(start, end)
+        self.stats.draft_calls += 1
+        self.stats.draft_passes += num_passes
+        self.stats.draft_seconds += end - start
+        return drafts
+
+    def _draft_trees(self, passes: DraftPasses, req_ids: list[str],
+                     next_token_ids: torch.Tensor, plan: StepPlan):
+        if plan.shape.depth == 0:  # plain decoding is predicted faster
+            return [[] for _ in req_ids], 0
+        tuner, k = self.tuner, plan.shape.width
+        adaptive = tuner is not None and plan.adaptive and not plan.full_depth
+        start = self.clock()
+        draft = draft_tree(passes, next_token_ids, plan.shape, self.mask,
+                           self.options.draft_temperature,
+                           (lambda log_mass, reached: tuner.drafting_next(log_mass, k, reached))
+                           if adaptive else None,
+                           pad_to_depth=tuner is None, clock=self.clock)
+        if tuner is None:  # a fixed shape: k * D tokens each
+            self._keep_pending(req_ids, draft)
+            return draft.tree.tokens[:, 1:], draft.passes
+        log_mass = draft.tree.log_mass[:, : draft.tree.grown + 1].cpu()  # one host read
+        self._keep_pending(req_ids, draft, log_mass)
+        passes.synchronize()
+        tuner.observe_draft(k, len(req_ids), draft.pass_rows, self.clock() - start,
+                            draft.root_seconds)
+        depths = tuner.verify_depths(log_mass, k, draft.reached)
+        tokens = draft.tree.tokens[:, 1:].tolist()
+        return [row[: k * d] for row, d in zip(tokens, depths)], draft.passes
+
+    def _keep_pending(self, req_ids: list[str], draft: TreeDraft,
+                      log_mass: torch.Tensor | None = None) -> None:
+        """log_mass: [B, grown + 1] per-depth log frontier mass on the host, for an auto
+        shape's tuner; None for a fixed shape."""
+        tree = draft.tree
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        masses = log_mass.tolist() if log_mass is not None else [[] for _ in req_ids]
+        self.pending = {rid: StoredTree(tokens[i], parents[i], tree.mask[i], tree.shape.width,
+                                        masses[i])
+                        for i, rid in enumerate(req_ids)}
+
+    def _clock_rest_of_step(self, start: float, end: float) -> None:
+        """The tuner's "rest of a step": from the end of the last draft to this one's start,
+        less the verify in between (not across an idle engine: the gap must be a step's, not
+        a pause's)."""
+        verify, self._verify_seconds = self._verify_seconds, None
+        if self.tuner is not None and self._last_draft_end is not None and verify:
+            other = start - self._last_draft_end - verify
+            if other < 4 * (verify + end - start):
+                self.tuner.observe_other(other)
+        self._last_draft_end = end
+
+    # ---- 2. verify inputs ----------------------------------------------------------------
+    def prepare_verify(self, requests: list[VerifyRequest]) -> list[PositionWrite]:
+        """Consume the pending trees of the requests vLLM scheduled drafts for; returns the
+        position rewrites of the verify forward (vLLM's chain positions L + i -> L + depth)."""
+        drafted, self.pending = self.pending, {}  # a tree is verified at most once
+        self.verifying, self._verify_plan = {}, None
+        rows, writes = [], []
+        for r in requests:
+            stored = drafted.get(r.req_id)
+            if stored is None:  # placeholders of a skipped drafter: a chain, vLLM's layout
+                self.verifying[r.req_id] = VerifiedTree(chain_tree(r.scheduled), r.root, r.index,
+                                                        False)
+                continue
+            n = len(r.scheduled)
+            depths = TreeShape(stored.width, n // stored.width + 1).depths()  # this step's k
+            writes.append(PositionWrite(r.query_start + 1, r.root + depths[1: n + 1]))
+            if stored.width > 1:  # a chain's mask is causal: the backend's rows stand
+                rows.append(TreeRows(r.index, r.query_start, r.root,
+                                     stored.mask[: n + 1, : n + 1]))
+            self.verifying[r.req_id] = VerifiedTree(stored, r.root, r.index, True)
+        self._verify_plan = TreePlan(rows) if rows else None
+        return writes
+
+    # ---- 3. the verify forward -----------------------------------------------------------
+    @contextlib.contextmanager
+    def verify_forward(self):
+        plan, self._verify_plan = self._verify_plan, None  # the plan is one forward's
+        drafted = any(v.compact for v in self.verifying.values())  # chains have no plan rows
+        self._verify_start = self.clock() if drafted else None
+        with self.mask.active(plan):
+            yield
+
+    # ---- 4. sample, then match -----------------------------------------------------------
+    def sample_and_walk(self, req_ids: list[str], num_draft: list[int], logits: torch.Tensor,
+                        sampling_metadata, topk_topp_sampler) -> WalkResult:
+        """logits: [sum(num_draft) + B, V] the target's, each request's root row first."""
+        trees = [self.verifying.get(rid) if n else None for rid, n in zip(req_ids, num_draft)]
+        walk = sample_then_match(trees, num_draft, logits, sampling_metadata, topk_topp_sampler)
+        drafted = [(v, len(path), n) for v, path, n in zip(trees, walk.paths, num_draft)
+                   if v is not None and v.compact]
+        self.stats.verified_trees += len(drafted)
+        if self.tuner is not None:
+            for v, accepted, n in drafted:
+                self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, accepted,
+                                        n // v.tree.width)
+        if self._verify_start is not None:
+            seconds = self.clock() - self._verify_start
+            self.stats.verify_seconds += seconds
+            widths = {v.tree.width for v, _, _ in drafted}
+            if self.tuner is not None and len(widths) == 1:  # one step drafts one width
+                self._verify_seconds = seconds
+                self.tuner.observe_verify(widths.pop(), sum(num_draft) + len(num_draft), seconds)
+        self._verify_start = None
+        self.verifying = {}
+        return walk
+
+    # ---- 5. compact ----------------------------------------------------------------------
+    @staticmethod
+    def compact(moves: list[KvMove], kv_caches: list[tuple[object, torch.Tensor]],
+                block_table: torch.Tensor) -> None:
+        """Move each accepted path's KV (slots L + a_j) to slots L + j, j = 1..m, in every
+        layer. kv_caches: (attention impl, per-layer cache); block_table: [B, blocks], the
+        one this step's attention metadata was built from."""
+        for move in moves:
+            row = block_table[move.req_index]
+            src = move.root + torch.tensor(move.path, dtype=torch.int64, device=row.device)
+            dst = move.root + torch.arange(1, len(move.path) + 1, dtype=torch.int64,
+                                           device=row.device)
+            move_kv(kv_caches, row, src, dst)
