@@ -9,6 +9,7 @@ checks the installed vLLM against tests/data/vllm_fingerprints.json and 0.33.0 a
     python scripts/vllm_fingerprints.py                      # print, installed vLLM
     python scripts/vllm_fingerprints.py --write 0.32.0       # record the installed vLLM
     python scripts/vllm_fingerprints.py --root /tmp/vllm033/src/vllm --write 0.33.0
+    python scripts/vllm_fingerprints.py --inventory          # rewrite docs/vllm_inventory.md
 
 --root is the `vllm` package directory (the one holding __init__.py), e.g. an unpacked wheel's
 (`pip download --no-deps vllm==X -d D && unzip D/vllm-X-*.whl -d D/src`: D/src/vllm).
@@ -27,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "vllm_fingerprints.json"
+INVENTORY = ROOT / "docs" / "vllm_inventory.md"
 
 # "module:qualname". The first block is patches.py's `_wrap` targets; the rest are the symbols in
 # docs/gpu.md's "vLLM 0.33.0 vs 0.32.0" table (in its row order), including the functions that
@@ -86,6 +88,9 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_attn_backend",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_cudagraph_keys",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.dummy_run",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
+    # TreeVerifier takes the rejection sampler's place for trees
+    "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
     # verify.draw_target_tokens draws as vLLM's Sampler does, through its TopKTopPSampler
     "vllm.v1.sample.sampler:Sampler.sample",
     "vllm.v1.sample.sampler:Sampler.apply_temperature",
@@ -97,6 +102,76 @@ NAMES: tuple[str, ...] = (
     "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward",
     "vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
 )
+
+# Every vLLM method whose code SubSpec replaces, or runs code in place of: (fingerprinted name,
+# how, by what). tests/unit/test_vllm_fingerprints.py checks that patches.py's `_wrap` targets,
+# PrefetchOverlap's per-instance replacements and SubSpecProposer's overrides are all here, and
+# that docs/vllm_inventory.md is this table rendered.
+_PATCH = "wrapped in place (vllm_hooks/patches.py"
+REPLACED: tuple[tuple[str, str, str], ...] = (
+    ("vllm.engine.arg_utils:EngineArgs.create_speculative_config", f"{_PATCH} #1)",
+     "engine_rules.translate_speculative_config, apply_platform_rules"),
+    ("vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features", f"{_PATCH} #2)",
+     "adds SubSpec to the V1-runner-only features"),
+    ("vllm.model_executor.model_loader.base_loader:process_weights_after_loading",
+     f"{_PATCH} #3)", "draft_model.model.attach_substitutes, then the original"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__", f"{_PATCH} #4)",
+     "install.install_subspec after the original"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs", f"{_PATCH} #5)",
+     "TreeVerifier.prepare_verify after the original"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward", f"{_PATCH} #5)",
+     "the original inside TreeVerifier.verify_forward"),
+    ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward", f"{_PATCH} #6)",
+     "tree_attention.apply_tree_attention after the original (CPU)"),
+    ("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward", f"{_PATCH} #6)",
+     "tree_attention.apply_tree_attention after the original (CUDA)"),
+    ("vllm.v1.sample.rejection_sampler:expand_batch_to_tokens", f"{_PATCH} #7)",
+     "cpu_sampling_fix.expand_batch_to_tokens instead (CPU only)"),
+    ("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",
+     f"{_PATCH} #8)", "paged_kv.tree_cpu_attn_isa after the original (CPU trees)"),
+    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader._start_prefetch",
+     "replaced on the offloader instance (vllm_hooks/prefetch_overlap.py)",
+     "PrefetchOverlap._start_prefetch, calling the original"),
+    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader._wait_for_layer",
+     "replaced on the offloader instance (vllm_hooks/prefetch_overlap.py)",
+     "PrefetchOverlap._wait_for_layer, calling the original"),
+    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader.sync_prev_onload",
+     "replaced on the offloader instance (vllm_hooks/prefetch_overlap.py)",
+     "PrefetchOverlap._sync_prev_onload, calling the original"),
+    ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model",
+     "overridden (the runner's drafter is a SubSpecProposer, vllm_hooks/proposer.py)",
+     "SubSpecProposer.load_model: wraps the target, loads nothing"),
+    ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
+     "overridden (vllm_hooks/proposer.py)", "SubSpecProposer.propose -> StepSession.propose"),
+    ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.dummy_run",
+     "overridden (vllm_hooks/proposer.py)", "SubSpecProposer.dummy_run"),
+    ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_attn_backend",
+     "overridden (vllm_hooks/proposer.py)", "the original, then a layout log line"),
+    ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_cudagraph_keys",
+     "overridden (vllm_hooks/proposer.py)", "the original with CUDAGraphMode.NONE"),
+    ("vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
+     "the runner's rejection_sampler slot, trees only (vllm_hooks/install.py)",
+     "TreeVerifier.__call__ -> StepSession.sample_and_walk, compact"),
+)
+
+
+def render_inventory(data: dict) -> str:
+    """docs/vllm_inventory.md: REPLACED with each method's recorded fingerprints."""
+    versions = sorted(data)
+    lines = ["# Every vLLM method SubSpec replaces", "",
+             "Generated by `python scripts/vllm_fingerprints.py --inventory` from `REPLACED` "
+             "there; `tests/unit/test_vllm_fingerprints.py` fails when this file, the code or "
+             "the recorded fingerprints (`tests/data/vllm_fingerprints.json`: sha256 of the "
+             "function's AST without docstrings) disagree.", "",
+             "| vLLM method | how | SubSpec's code | " + " | ".join(
+                 f"{v} fingerprint" for v in versions) + " |",
+             "|---|---|---|" + "---|" * len(versions)]
+    for name, how, what in REPLACED:
+        shas = [(data[v].get(name) or {}).get("sha", "absent")[:12] for v in versions]
+        lines.append(f"| `{name}` | {how} | {what} | " + " | ".join(f"`{s}`" for s in shas)
+                     + " |")
+    return "\n".join(lines) + "\n"
+
 
 # Where a name went when vLLM moved it (looked up only when the listed module lacks it).
 MOVED: dict[str, tuple[str, ...]] = {
@@ -217,7 +292,13 @@ def main(argv=None) -> int:
     p.add_argument("--root", type=Path, help="vllm package directory (default: installed)")
     p.add_argument("--write", metavar="VERSION",
                    help=f"record under this vLLM version in {DATA.relative_to(ROOT)}")
+    p.add_argument("--inventory", action="store_true",
+                   help=f"rewrite {INVENTORY.relative_to(ROOT)} from the recorded fingerprints")
     args = p.parse_args(argv)
+    if args.inventory:
+        INVENTORY.write_text(render_inventory(json.loads(DATA.read_text())))
+        print(f"wrote {INVENTORY}")
+        return 0
     root = (args.root or installed_root()).resolve()
     if not (root / "__init__.py").is_file():
         p.error(f"{root} is not a package directory (no __init__.py); pass .../vllm")

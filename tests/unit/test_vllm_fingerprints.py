@@ -79,6 +79,9 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model":
         "the base load_model differs (marks the drafter's own attention layers is_draft_layer); "
         "SubSpec overrides load_model and drafts through the target's layers",
+    "vllm.v1.sample.rejection_sampler:RejectionSampler.forward":
+        "0.33 passes its 'fly' window/entropy settings to rejection_sample; trees replace the "
+        "whole sampler by TreeVerifier, which 0.33's runner calls the same way (:3426)",
 }
 
 
@@ -197,3 +200,46 @@ def test_fingerprint_ignores_docstrings_and_comments_only(tmp_path):
     (pkg / "r.py").write_text("from vllm.m import C\n")  # a re-export resolves to the definition
     assert vf.fingerprint(pkg, "vllm.r:C.f")["file"] == "vllm/m.py"
     assert vf.fingerprint(pkg, "vllm.m:C.g") is None
+
+
+# ---- the inventory of replaced methods ----------------------------------------------------
+def _instance_replacements() -> set[str]:
+    """PrefetchOverlap._install's `off.<attr> = self.<...>` assignments."""
+    src = (ROOT / "vllm_subspec" / "vllm_hooks" / "prefetch_overlap.py").read_text()
+    install = next(n for n in ast.walk(ast.parse(src))
+                   if isinstance(n, ast.FunctionDef) and n.name == "_install")
+    return {t.attr for n in ast.walk(install) if isinstance(n, ast.Assign)
+            for t in n.targets if isinstance(t, ast.Attribute)
+            and isinstance(t.value, ast.Name) and t.value.id == "off"
+            and not t.attr.startswith("__")}
+
+
+def test_the_inventory_lists_every_replaced_vllm_method():
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    from vllm_subspec.vllm_hooks.proposer import SubSpecProposer
+
+    listed = [name for name, _, _ in vf.REPLACED]
+    assert len(set(listed)) == len(listed)
+    assert set(listed) <= set(vf.NAMES), "every replaced method is fingerprinted"
+    wrapped = {name for names in WRAP_TARGETS.values() for name in names}
+    assert wrapped <= set(listed), wrapped - set(listed)
+    prefetch = _instance_replacements()
+    assert prefetch == {"_start_prefetch", "_wait_for_layer", "sync_prev_onload"}
+    assert {f"vllm.model_executor.offloader.prefetch:PrefetchOffloader.{a}"
+            for a in prefetch} <= set(listed)
+    overridden = set()
+    for attr in vars(SubSpecProposer):
+        if attr == "__init__" or not callable(getattr(SubSpecProposer, attr)):
+            continue
+        owner = next((c for c in DraftModelProposer.__mro__ if attr in vars(c)), None)
+        if owner is not None:
+            overridden.add(f"{owner.__module__}:{owner.__qualname__}.{attr}")
+    assert overridden and overridden <= set(listed), overridden - set(listed)
+    assert "vllm.v1.sample.rejection_sampler:RejectionSampler.forward" in listed
+
+
+def test_the_inventory_document_is_current():
+    doc = ROOT / "docs" / "vllm_inventory.md"
+    assert doc.read_text() == vf.render_inventory(_recorded()), \
+        "docs/vllm_inventory.md is stale: python scripts/vllm_fingerprints.py --inventory"
