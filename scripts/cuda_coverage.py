@@ -23,28 +23,35 @@ RESULTS = REPO / "benchmarks" / "results"
 
 # module -> the functions/classes only a CUDA engine runs (and why a CPU engine does not)
 CUDA_ONLY = {
-    "tree_attention.py": ["FlashAttentionLayout", "_torch_rows"],
-    "engine_rules.py": ["_require_offload", "_no_async_scheduling", "_pin_flash_attention",
-                        "check_final_config", "tree_cudagraph_mode"],
-    "prefetch_overlap.py": ["_capturing", "_current_forward_context", "PrefetchOverlap"],
-    "substitute.py": ["GemliteKernel", "gemlite_warm_up_key", "gemlite_available"],
-    "draft_model.py": ["SubstituteSet.warm_up", "draft_row_counts"],
-    "layer_selection.py": ["offloaded_layer_indices", "_in_host_memory"],
+    "step/paged_kv.py": ["FlashAttentionLayout"],
+    "step/tree_attention.py": ["_torch_rows"],
+    "vllm_hooks/engine_rules.py": ["_require_offload", "_no_async_scheduling",
+                                   "_pin_flash_attention", "check_final_config",
+                                   "tree_cudagraph_mode"],
+    "vllm_hooks/prefetch_overlap.py": ["_capturing", "_current_forward_context",
+                                       "PrefetchOverlap"],
+    "draft_model/substitute.py": ["GemliteKernel", "gemlite_warm_up_key", "gemlite_available"],
+    "draft_model/model.py": ["SubstituteSet.warm_up", "draft_row_counts"],
+    "draft_model/layer_selection.py": ["offloaded_layer_indices", "_in_host_memory"],
     # engine code with CUDA-only branches (prefetch overlap, warm-up, stream sync): the CPU
     # unit tests do not start an engine, so these show what runs only inside one
-    "proposer.py": ["SubSpecProposer.load_model", "SubSpecProposer.propose"],
+    "vllm_hooks/proposer.py": ["SubSpecProposer.load_model", "SubSpecProposer.propose",
+                               "VllmDraftPasses.synchronize"],
 }
 
 # why the statements a row lists as not run cannot run in this pass
 NOT_RUN_BECAUSE = {
-    ("proposer.py", "SubSpecProposer.load_model"):
+    ("vllm_hooks/proposer.py", "SubSpecProposer.load_model"):
         "engine code: every CPU e2e test runs it (this pass runs unit tests only); its CUDA-only "
         "calls cannot run on CPU: `PrefetchOverlap.from_offloader` returns None without vLLM's "
         "prefetch offloader, and the GemLite warm-up call needs `device.type == 'cuda'` (what "
         "both do is covered above: `PrefetchOverlap`, `SubstituteSet.warm_up`)",
-    ("proposer.py", "SubSpecProposer.propose"):
+    ("vllm_hooks/proposer.py", "SubSpecProposer.propose"):
         "engine code, as above; on CPU its `start_before_draft()` call (no prefetch offloader) "
-        "and the compute-stream `synchronize()` (no CUDA tensors) are skipped",
+        "is skipped",
+    ("vllm_hooks/proposer.py", "VllmDraftPasses.synchronize"):
+        "engine code, as above; on CPU the compute-stream `synchronize()` is skipped (no CUDA "
+        "tensors)",
 }
 
 

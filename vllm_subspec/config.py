@@ -45,7 +45,7 @@ DEFAULT_TREE_WIDTH = 6
 # where the target streams its weights over PCIe (CUDA offload); on the CPU backend, where a
 # verify row costs a target row, 16.
 DEFAULT_TREE_DEPTH = {"cuda": 48, "cpu": 16}
-# "auto" (the default for both): the shape tuner (shape_tuner.py) picks each step's width among
+# "auto" (the default for both): the shape tuner (step/shape_tuner.py) picks each step's width among
 # these and stops each step's tree at the depth that still pays, at most AUTO_MAX_DEPTH deep.
 # A value the user gives is fixed.
 AUTO_TREE_WIDTHS = (1, 2, 4, 6)
@@ -91,7 +91,7 @@ class SubSpecOptions:
 
     @property
     def is_tree(self) -> bool:
-        """Verified by sample-then-match (verify.TreeStep); auto shapes always are, even when
+        """Verified by sample-then-match (step/verify.py); auto shapes always are, even when
         the tuner picks width 1."""
         return self.tree_width > 1 or self.auto_width
 

@@ -222,8 +222,8 @@ def _walk_gpu_start(worker) -> dict:
     ctx = runner.vllm_config.compilation_config.static_forward_context
     attn = {n: m for n, m in ctx.items() if isinstance(m, AttentionLayerBase)}
     calls, logits_rows, phase = [], [], ["profile"]
-    dummy_run, compute_logits, tree_step = drafter.dummy_run, drafter.model.compute_logits, \
-        runner.rejection_sampler
+    dummy_run, compute_logits, verifier = drafter.dummy_run, drafter.model.compute_logits, \
+        runner.rejection_sampler  # the TreeVerifier
 
     def recorded_dummy_run(num_tokens, use_cudagraphs=True, is_graph_capturing=False,
                            slot_mappings=None):
@@ -236,12 +236,12 @@ def _walk_gpu_start(worker) -> dict:
 
     sampler_rows = []
 
-    def recorded_tree_step(metadata, draft_probs, logits, sampling_metadata):
+    def recorded_verifier(metadata, draft_probs, logits, sampling_metadata):
         sampler_rows.append(len(metadata.num_draft_tokens))
-        return tree_step(metadata, draft_probs, logits, sampling_metadata)
+        return verifier(metadata, draft_probs, logits, sampling_metadata)
 
     drafter.dummy_run, drafter.model.compute_logits = recorded_dummy_run, recorded_logits
-    runner.rejection_sampler = recorded_tree_step
+    runner.rejection_sampler = recorded_verifier
     try:
         # 1. before initialize_from_config: every cache is vLLM's placeholder, no KV config
         caches = {n: m.kv_cache for n, m in attn.items()}
@@ -268,9 +268,9 @@ def _walk_gpu_start(worker) -> dict:
                                            cudagraph_runtime_mode=CUDAGraphMode.NONE)
         runner._dummy_sampler_run(hidden_states=last_hidden)
         unchanged = all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
-    finally:  # back to the class methods and the runner's tree step
+    finally:  # back to the class methods and the runner's tree verifier
         del drafter.dummy_run, drafter.model.compute_logits
-        runner.rejection_sampler = tree_step
+        runner.rejection_sampler = verifier
     return {"drafter_calls": calls, "kv_unchanged_by_warm_ups": unchanged,
             "profile_logits_rows": profile_rows,
             "draft_logits_after_profile": logits_rows[profiled:],
