@@ -12,8 +12,8 @@ Three runs per model (vLLM CPU backend, every layer 4-bit HQQ, as `{"method": "s
   stop are projected.
 Draft passes per emitted token count every draft forward (the step session's `StepStats.draft_passes`).
 
-    python benchmarks/adaptive_depth.py --model smollm2 --prompts 8
-    python benchmarks/adaptive_depth.py --model qwen-coder-1.5b --prompts 4 --kv-cache-gb 2
+    python -m benchmarks.adaptive_depth --model smollm2 --prompts 8
+    python -m benchmarks.adaptive_depth --model qwen-coder-1.5b --prompts 4 --kv-cache-gb 2
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-sys.path.insert(0, str(RESULTS.parent))  # plots, projection, depth_sweep
-sys.path.insert(0, str(RESULTS.parent.parent))  # subspec_testing (repo root)
 
 WIDTH, DEPTH = 6, 48
 RUNS = {
@@ -50,8 +48,8 @@ def parse_args():
 
 
 def run(model: str, spec: dict, costs: str | None, prompts, params, engine_kwargs) -> dict:
-    from cpu_speed import drafter_counters
-    from projection import GpuSetting, give_gpu_costs
+    from benchmarks.cpu_speed import drafter_counters
+    from benchmarks.projection import GpuSetting, give_gpu_costs
     from vllm import LLM
 
     from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine, timed_generate
@@ -85,7 +83,7 @@ def run(model: str, spec: dict, costs: str | None, prompts, params, engine_kwarg
 
 
 def markdown(report: dict) -> str:
-    from projection import GpuSetting, projected_speedup
+    from benchmarks.projection import GpuSetting, projected_speedup
 
     fixed = report["runs"].get("fixed 6x48")
     lines = [f"# Adaptive depth vs fixed D=48 (k=6): {report['model']}", "",
@@ -121,7 +119,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    from plots import _pyplot
+    from benchmarks.plots import _pyplot
 
     plt = _pyplot()
     names = list(report["runs"])
@@ -141,8 +139,8 @@ def plot(report: dict, path: Path) -> None:
 def main():
     args = parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
-    from depth_sweep import environment, kv_kwargs, model_path
-    from projection import GpuSetting
+    from benchmarks.depth_sweep import environment, kv_kwargs, model_path
+    from benchmarks.projection import GpuSetting
     from vllm import SamplingParams
 
     from subspec_testing.assets import chat_prompts, mt_bench_prompts
@@ -154,7 +152,7 @@ def main():
     out = RESULTS / name
     gpu = GpuSetting()
     report = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens,
-              "command": "python benchmarks/adaptive_depth.py " + " ".join(sys.argv[1:]),
+              "command": "python -m benchmarks.adaptive_depth " + " ".join(sys.argv[1:]),
               "gpu_costs": f"{gpu.name}: draft pass {gpu.draft_pass_ms:g} ms, verify "
                            f"{gpu.target_ms(True):.0f} ms, flat in rows",
               "environment": environment(), "runs": {}}

@@ -6,7 +6,7 @@ engine per config; a prompt whose token ids differ is re-scored with a plain fp3
 first difference (`subspec_testing.losslessness`: SubSpec's token must be ranked <= 2 and within
 0.25 nats of the fp32 argmax). Writes benchmarks/results/<name>.{json,md}.
 
-    python benchmarks/bf16_identity.py --name bf16_identity --configs chain:8 tree:6x16
+    python -m benchmarks.bf16_identity --name bf16_identity --configs chain:8 tree:6x16
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-sys.path.insert(0, str(RESULTS.parent))  # depth_sweep helpers
-sys.path.insert(0, str(RESULTS.parent.parent))  # subspec_testing (repo root)
 
 
 def parse_args():
@@ -35,7 +33,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    from depth_sweep import environment, model_path, spec_config
+    from benchmarks.depth_sweep import environment, model_path, spec_config
     from vllm import SamplingParams
 
     from subspec_testing.assets import chat_prompts, mt_bench_prompts

@@ -8,10 +8,10 @@ per emitted token), then the same prompts 8 at a time (total tokens/s). Every ou
 with plain decoding's in the same mode. SubSpec configs are given exactly as a user types them
 (`{"method": "subspec"}` is the auto default). Writes benchmarks/results/<name>.{json,md,png}.
 
-    python benchmarks/cpu_speed.py --model smollm2 --name cpu_speed_smollm2
-    python benchmarks/cpu_speed.py --model qwen-coder-1.5b --name cpu_speed_qwen --prompts 8
-    python benchmarks/cpu_speed.py --model qwen-coder-1.5b --name cpu_speed_qwen --rescore
-    python benchmarks/cpu_speed.py --model smollm2 --name cpu_speed_smollm2_compiled --compiled
+    python -m benchmarks.cpu_speed --model smollm2 --name cpu_speed_smollm2
+    python -m benchmarks.cpu_speed --model qwen-coder-1.5b --name cpu_speed_qwen --prompts 8
+    python -m benchmarks.cpu_speed --model qwen-coder-1.5b --name cpu_speed_qwen --rescore
+    python -m benchmarks.cpu_speed --model smollm2 --name cpu_speed_smollm2_compiled --compiled
 
 --compiled runs every engine in vLLM's default mode (no enforce_eager: the model compiled with
 inductor, a profiling run at start-up), which is what `vllm serve` and `LLM()` users get; the
@@ -30,12 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
-from depth_sweep import RESULTS, environment, kv_kwargs, model_path  # noqa: E402
-from methods import METHODS as TABLE_METHODS  # noqa: E402
-from methods import suffix_available  # noqa: E402
+from benchmarks.depth_sweep import RESULTS, environment, kv_kwargs, model_path
+from benchmarks.methods import METHODS as TABLE_METHODS
+from benchmarks.methods import suffix_available
 
 METHODS = {
     **{name: TABLE_METHODS[name] for name in ("plain", "ngram", "suffix")},  # as in methods.py
@@ -253,7 +251,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    from plots import _pyplot
+    from benchmarks.plots import _pyplot
 
     plt = _pyplot()
     runs = {k: v for k, v in report["runs"].items() if "skipped" not in v}

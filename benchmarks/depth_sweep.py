@@ -5,14 +5,14 @@ first turns in the reference's sample order, greedy. Configs are `chain:D` or `t
 Writes benchmarks/results/<name>.{json,md}.
 
     # issue 2: chains, 20 prompts x 128 tokens, one request at a time
-    python benchmarks/depth_sweep.py --name chain_depth --configs chain:4 chain:8 chain:16
+    python -m benchmarks.depth_sweep --name chain_depth --configs chain:4 chain:8 chain:16
     # issue 3: chains vs k=6 trees, 20 prompts x 256 tokens, all prompts as one batch
-    python benchmarks/depth_sweep.py --name tree_depth --max-tokens 256 --batched \\
+    python -m benchmarks.depth_sweep --name tree_depth --max-tokens 256 --batched \\
         --configs chain:8 chain:16 chain:48 tree:6x8 tree:6x16 tree:6x32 tree:6x48
     # PROJECTED GPU speed-ups from a finished sweep's τ (runs no engine)
-    python benchmarks/depth_sweep.py --name tree_depth --projection
+    python -m benchmarks.depth_sweep --name tree_depth --projection
     # Qwen2.5-Coder-1.5B-Instruct (28 layers), paper-like residency: the first 17 substituted
-    python benchmarks/depth_sweep.py --model qwen-coder-1.5b --substitute-layers first:17 ...
+    python -m benchmarks.depth_sweep --model qwen-coder-1.5b --substitute-layers first:17 ...
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-sys.path.insert(0, str(RESULTS.parent))  # plots, projection
-sys.path.insert(0, str(RESULTS.parent.parent))  # subspec_testing (repo root)
 
 
 def parse_args():
@@ -197,8 +195,8 @@ def markdown(report: dict) -> str:
 
 
 def write_projection(args) -> None:
-    from plots import plot_projection
-    from projection import adaptive_markdown, projection_markdown, projection_rows, settings_grid
+    from benchmarks.plots import plot_projection
+    from benchmarks.projection import adaptive_markdown, projection_markdown, projection_rows, settings_grid
 
     settings = settings_grid(args.bandwidths, args.memory_gb, draft_pass_ms=args.draft_pass_ms)
     report = json.loads((RESULTS / args.name).with_suffix(".json").read_text())
@@ -273,7 +271,7 @@ def sweep(report, model, prompts, params, layers, plain, args):
 
 
 def write(report: dict) -> None:
-    from plots import plot_depth
+    from benchmarks.plots import plot_depth
 
     out = RESULTS / report["name"]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ Random weights of the model's shapes (time does not depend on values); torch on 
 vLLM's CPU worker runs. Row counts: what a draft pass sends for B requests (B for a chain step
 or a tree's root, B*k for tree levels). Writes benchmarks/results/<name>.{json,md}.
 
-    python benchmarks/draft_kernels.py --model qwen-coder-1.5b --name draft_kernels_qwen
+    python -m benchmarks.draft_kernels --model qwen-coder-1.5b --name draft_kernels_qwen
 """
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
-from depth_sweep import RESULTS, environment  # noqa: E402
+from benchmarks.depth_sweep import RESULTS, environment
 
 SHAPES = {  # name -> (hidden, intermediate, q heads, kv heads, head dim, vocab, layers)
     "qwen-coder-1.5b": (1536, 8960, 12, 2, 128, 151936, 28),

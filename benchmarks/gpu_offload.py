@@ -7,9 +7,9 @@ the limit. Without `--model`, a Qwen2.5-7B-shaped model with random weights is u
 Writes benchmarks/results/gpu_offload.{json,md}, with a PROJECTION (benchmarks/projection.py)
 from the measured τ, draft time and host-to-device bandwidth beside the measured speed-up.
 
-    python benchmarks/gpu_offload.py                                  # random 7B, 8 GB limit
-    python benchmarks/gpu_offload.py --model /models/Qwen2.5-7B-Instruct --memory-gb 8
-    python benchmarks/gpu_offload.py --dry-run      # no GPU needed: the engines and their plan
+    python -m benchmarks.gpu_offload                                  # random 7B, 8 GB limit
+    python -m benchmarks.gpu_offload --model /models/Qwen2.5-7B-Instruct --memory-gb 8
+    python -m benchmarks.gpu_offload --dry-run      # no GPU needed: the engines and their plan
 
 Memory plan: both engines get the same limit. SubSpec's resident bytes include its substitutes
 and its quantized lm_head. The reserve (`--reserved-gb`) must hold vLLM's profiling peak
@@ -30,11 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
-from depth_sweep import RESULTS, environment  # noqa: E402
-from projection import SUBSTITUTE_FRACTION, GpuSetting, projected_speedup  # noqa: E402
+from benchmarks.depth_sweep import RESULTS, environment
+from benchmarks.projection import SUBSTITUTE_FRACTION, GpuSetting, projected_speedup
 
 QWEN25_7B = dict(  # Qwen/Qwen2.5-7B-Instruct config.json
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584,

@@ -9,8 +9,8 @@ skipped with a note when missing), SubSpec chain and SubSpec tree. Workloads:
   summarization (extraction: condense/extract from a given text), instruction (writing).
 Each (workload, turn) runs as one batch. Writes benchmarks/results/methods.{json,md,png}.
 
-    python benchmarks/methods.py
-    python benchmarks/methods.py --model qwen-coder-1.5b --name methods_qwen --workloads mt_bench
+    python -m benchmarks.methods
+    python -m benchmarks.methods --model qwen-coder-1.5b --name methods_qwen --workloads mt_bench
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
-from depth_sweep import RESULTS, environment, kv_kwargs, model_path  # noqa: E402
+from benchmarks.depth_sweep import RESULTS, environment, kv_kwargs, model_path
 
 METHODS = {
     "plain": None,
@@ -152,7 +150,7 @@ def markdown(report: dict) -> str:
         if rates:
             rates = " ".join(f"{x:.2f}" for x in rates)
             lines.append(f"- {method}: {rates}")
-    from projection import SETTINGS, projection_markdown, projection_rows
+    from benchmarks.projection import SETTINGS, projection_markdown, projection_rows
 
     runs = [{"config": m, "tau": r["mt_bench"]["tau"], "depth": DRAFT_COST[m][0],
              "substitutes": DRAFT_COST[m][1]}
@@ -175,7 +173,7 @@ def markdown(report: dict) -> str:
 
 def main():
     args = parse_args()
-    from plots import plot_methods
+    from benchmarks.plots import plot_methods
 
 
     out = RESULTS / args.name

@@ -22,8 +22,8 @@ count and a deadline; the servers are stopped (process group) whatever happens.
 
 Writes benchmarks/results/<name>.{json,md}; exits 1 when the soak fails.
 
-    python benchmarks/soak.py                                 # 200 requests, 32 concurrent
-    python benchmarks/soak.py --requests 20 --concurrency 8 --out /tmp/soak_smoke   # smoke run
+    python -m benchmarks.soak                                 # 200 requests, 32 concurrent
+    python -m benchmarks.soak --requests 20 --concurrency 8 --out /tmp/soak_smoke   # smoke run
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
-from depth_sweep import RESULTS, environment  # noqa: E402
+from benchmarks.depth_sweep import RESULTS, environment
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the tests (conftest.py)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -516,7 +514,7 @@ def write(report: dict, out: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    args.command = "python benchmarks/soak.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.command = "python -m benchmarks.soak " + " ".join(sys.argv[1:] if argv is None else argv)
     args.command = args.command.strip()
     report = soak(args)
     write(report, args.out)

@@ -5,7 +5,7 @@ with this model's cache entries removed (cold: every substitute is quantized and
 the same SubSpec engine again (warm: every substitute is loaded). Time = `LLM(...)` construction,
 from the call to a ready engine. Writes benchmarks/results/startup.{json,md}.
 
-    python benchmarks/startup.py --models smollm2 qwen-coder-1.5b
+    python -m benchmarks.startup --models smollm2 qwen-coder-1.5b
 
 The cache root is the default one (`$VLLM_SUBSPEC_CACHE_DIR`, else ~/.cache/vllm-subspec/...)
 unless --cache-dir is given; only the entries of the measured models' cold runs are removed.
@@ -21,10 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
 
-from depth_sweep import RESULTS, environment, model_path  # noqa: E402
+from benchmarks.depth_sweep import RESULTS, environment, model_path
 
 
 def _counts(worker):

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # subspec_testing (repo root)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # projection
 
 DEFAULT_CONFIG = {"method": "subspec"}
 
@@ -41,7 +40,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    from projection import GpuSetting, give_gpu_costs, projected_speedup
+    from benchmarks.projection import GpuSetting, give_gpu_costs, projected_speedup
     from vllm import SamplingParams
 
     from subspec_testing.assets import chat_prompts, mt_bench_prompts, smollm2_path

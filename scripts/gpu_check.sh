@@ -27,7 +27,7 @@ PYEOF
   echo "[gpu_check] dry run: benchmarks/gpu_offload.py would start"
   BENCH_ARGS=(--dry-run)
   [ -n "${MODEL:-}" ] && BENCH_ARGS+=(--model "$MODEL")
-  exec "$PY" benchmarks/gpu_offload.py "${BENCH_ARGS[@]}"
+  exec "$PY" -m benchmarks.gpu_offload "${BENCH_ARGS[@]}"
 fi
 OUT=benchmarks/results
 mkdir -p "$OUT"
@@ -46,7 +46,7 @@ TESTS_RC=${PIPESTATUS[0]}
 echo "[gpu_check] benchmarks/gpu_offload.py"
 BENCH_ARGS=()
 [ -n "${MODEL:-}" ] && BENCH_ARGS+=(--model "$MODEL")
-"$PY" benchmarks/gpu_offload.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/gpu_check_bench.log"
+"$PY" -m benchmarks.gpu_offload "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/gpu_check_bench.log"
 BENCH_RC=${PIPESTATUS[0]}
 
 "$PY" scripts/gpu_report.py --tests "$OUT/gpu_check_tests.xml" --tests-rc "$TESTS_RC" \

@@ -22,6 +22,41 @@ from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine  # noqa: 
 KV_CACHE_BYTES = 256 * 2**20
 
 
+ENGINE_STARTS: dict[str, int] = {"LLM()": 0, "vllm serve": 0}  # this session's, reported at the end
+
+
+@pytest.fixture(scope="session", autouse=True)
+def count_engine_starts():
+    """Counts the engines this session starts in-process (`LLM(...)`) and as servers; the
+    terminal summary reports them (the suite's cost is mostly engine starts)."""
+    import vllm
+
+    from subspec_testing import serve
+
+    with pytest.MonkeyPatch.context() as mp:
+        init, start = vllm.LLM.__init__, serve.start_server
+
+        def counted_init(self, *args, **kwargs):
+            ENGINE_STARTS["LLM()"] += 1
+            return init(self, *args, **kwargs)
+
+        def counted_start(*args, **kwargs):
+            ENGINE_STARTS["vllm serve"] += 1
+            return start(*args, **kwargs)
+
+        mp.setattr(vllm.LLM, "__init__", counted_init)
+        mp.setattr(serve, "start_server", counted_start)
+        yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    if any(ENGINE_STARTS.values()):
+        terminalreporter.write_line(
+            "engines started in this process: " + ", ".join(
+                f"{n} x {what}" for what, n in ENGINE_STARTS.items()) +
+            " (probe subprocesses not counted)")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from subspec_testing.assets import smollm2_path
@@ -29,10 +64,14 @@ def smollm2():
     return smollm2_path()
 
 
+ENGINE_DEFAULTS = dict(CPU_ENGINE_KWARGS, enforce_eager=True,
+                       kv_cache_memory_bytes=KV_CACHE_BYTES)
+
+
 def make_llm(model, speculative_config=None, **overrides):
     from vllm import LLM
 
-    kwargs = dict(CPU_ENGINE_KWARGS, enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES)
+    kwargs = dict(ENGINE_DEFAULTS)
     kwargs.update(overrides)
     return LLM(model=model, speculative_config=speculative_config, **kwargs)
 
@@ -42,6 +81,15 @@ def shutdown(llm):
         shutdown_engine(llm)
     except Exception:  # a test's own failure matters more than a failed teardown
         pass
+
+
+@pytest.fixture(scope="session")
+def plain_references():
+    """Plain decoding's outputs, generated once per key for the whole session and kept on disk
+    across sessions (subspec_testing/plain_reference.py)."""
+    from subspec_testing.plain_reference import PlainReferences, default_root
+
+    return PlainReferences(make_llm, ENGINE_DEFAULTS, default_root())
 
 
 def num_kv_blocks(llm) -> int:

@@ -18,7 +18,9 @@ from vllm import SamplingParams
 
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
 from subspec_testing.harness import first_divergence, timed_generate
-from subspec_testing.serve import start_server, stop_server, wait_healthy
+from subspec_testing.plain_reference import PlainRun
+from subspec_testing import serve
+from subspec_testing.serve import stop_server, wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -44,25 +46,18 @@ def server(smollm2, tmp_path_factory):
     '{"method": "subspec"}'`, no --enforce-eager. Started before the in-process engines (the
     `plain` fixture asks for it), so it compiles on the other core meanwhile."""
     log = tmp_path_factory.mktemp("serve") / "subspec.log"
-    proc = start_server("subspec", smollm2, log, {"method": "subspec"}, eager=False,
-                        max_model_len=MAX_MODEL_LEN, kv_cache_bytes=256 * 2**20)
+    proc = serve.start_server("subspec", smollm2, log, {"method": "subspec"}, eager=False,
+                              max_model_len=MAX_MODEL_LEN, kv_cache_bytes=256 * 2**20)
     yield proc
     stop_server(proc)
 
 
 @pytest.fixture(scope="module")
-def plain(smollm2, prompts, server):
-    llm = make_llm(smollm2, max_model_len=MAX_MODEL_LEN, **COMPILED)
-    try:
-        from vllm.config import CompilationMode
-
-        assert llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
-        greedy = timed_generate(llm, prompts, GREEDY, spec=False)
-        outs = llm.generate(prompts, seeded(len(prompts)), use_tqdm=False)
-    finally:
-        shutdown(llm)
-    return greedy.token_ids, [list(o.outputs[0].token_ids) for o in outs], \
-        [o.outputs[0].text for o in outs], greedy.texts
+def plain(smollm2, prompts, server, plain_references):
+    runs = plain_references.get(smollm2, dict(max_model_len=MAX_MODEL_LEN, **COMPILED), {
+        "greedy": PlainRun(prompts, GREEDY), "seeded": PlainRun(prompts, seeded(len(prompts)))})
+    greedy, sampled = runs["greedy"], runs["seeded"]
+    return greedy.token_ids, sampled.token_ids, sampled.texts, greedy.texts
 
 
 def assert_identical(spec_ids, plain_ids):
@@ -72,8 +67,11 @@ def assert_identical(spec_ids, plain_ids):
 
 
 def run_compiled(smollm2, prompts, spec, sampled: bool):
+    from vllm.config import CompilationMode
+
     llm = make_llm(smollm2, spec, max_model_len=MAX_MODEL_LEN, **COMPILED)
     try:
+        assert llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
         greedy = timed_generate(llm, prompts, GREEDY)
         outs = llm.generate(prompts, seeded(len(prompts)), use_tqdm=False) if sampled else []
     finally:

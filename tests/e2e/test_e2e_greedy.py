@@ -13,6 +13,7 @@ from vllm import SamplingParams
 
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
 from subspec_testing.harness import count_identical, first_divergence, timed_generate
+from subspec_testing.plain_reference import PlainRun
 
 pytestmark = pytest.mark.e2e
 
@@ -28,12 +29,9 @@ def prompts(smollm2):
 
 
 @pytest.fixture(scope="module")
-def plain(smollm2, prompts):
-    llm = make_llm(smollm2, **FP32)
-    result = timed_generate(llm, prompts, GREEDY, spec=False)
-    blocks = num_kv_blocks(llm)
-    shutdown(llm)
-    return result, blocks
+def plain(smollm2, prompts, plain_references):
+    run = plain_references.get(smollm2, FP32, {"greedy": PlainRun(prompts, GREEDY)})["greedy"]
+    return run, run.kv_blocks
 
 
 @pytest.fixture(scope="module")

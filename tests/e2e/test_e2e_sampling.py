@@ -16,6 +16,7 @@ from scipy.stats import chi2_contingency
 from vllm import SamplingParams
 
 from subspec_testing.metrics import acceptance_stats
+from subspec_testing.plain_reference import PlainRun
 
 pytestmark = pytest.mark.e2e
 
@@ -24,25 +25,28 @@ PROMPT = {"prompt_token_ids": [5, 9, 13, 2]}
 SETTINGS = {"temperature": dict(temperature=1.0), "top_p": dict(temperature=1.0, top_p=0.7)}
 
 
-def sample(llm, settings):
-    params = [SamplingParams(max_tokens=NEW_TOKENS, seed=i, ignore_eos=True, **settings)
-              for i in range(N)]
-    outs = llm.generate([PROMPT] * N, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 DRAFTERS = {
     "chain": {"method": "subspec", "num_speculative_tokens": 3, "substitute_layers": "all"},
     "tree": {"method": "subspec", "tree_width": 4, "tree_depth": 3, "substitute_layers": "all"},
 }
 
 
+def requests(settings) -> PlainRun:
+    return PlainRun([PROMPT] * N, [SamplingParams(max_tokens=NEW_TOKENS, seed=i, ignore_eos=True,
+                                                  **settings) for i in range(N)])
+
+
+def sample(llm, settings):
+    run = requests(settings)
+    outs = llm.generate(run.prompts, run.params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 @pytest.fixture(scope="module")
-def plain_samples(tiny_llama):
-    plain = make_llm(tiny_llama, skip_tokenizer_init=True, dtype="float32")
-    samples = {name: sample(plain, s) for name, s in SETTINGS.items()}
-    shutdown(plain)
-    return samples
+def plain_samples(tiny_llama, plain_references):
+    runs = plain_references.get(tiny_llama, dict(skip_tokenizer_init=True, dtype="float32"),
+                                {name: requests(s) for name, s in SETTINGS.items()})
+    return {name: run.token_ids for name, run in runs.items()}
 
 
 @pytest.fixture(scope="module", params=list(DRAFTERS))

@@ -14,6 +14,7 @@ from vllm import SamplingParams
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
 from subspec_testing.harness import first_divergence, timed_generate
 from subspec_testing.metrics import acceptance_stats
+from subspec_testing.plain_reference import PlainRun
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # probes and shims
 
@@ -34,12 +35,11 @@ def prompts(smollm2):
 
 
 @pytest.fixture(scope="module")
-def plain(smollm2, prompts):
-    llm = make_llm(smollm2, **FP32)
-    result = timed_generate(llm, prompts, GREEDY, spec=False)
-    penalized = timed_generate(llm, prompts[:NUM_PENALIZED], PENALIZED, spec=False)
-    shutdown(llm)
-    return result, penalized
+def plain(smollm2, prompts, plain_references):
+    runs = plain_references.get(smollm2, FP32, {
+        "greedy": PlainRun(prompts, GREEDY),
+        "penalized": PlainRun(prompts[:NUM_PENALIZED], PENALIZED)})
+    return runs["greedy"], runs["penalized"]
 
 
 def assert_identical(spec_ids, plain_ids):
@@ -74,117 +74,19 @@ def test_tree_greedy_identical(smollm2, prompts, plain, depth):
     assert all(a == 0 for a in stats.accepted_per_position[depth:])
 
 
-def test_auto_shape_greedy_identical(smollm2, prompts, plain, monkeypatch):
-    """The default config ({"method": "subspec"}: auto width and adaptive depth): each step's
-    shape comes from measured costs, requests send trees of different depths to verification
-    (vLLM schedules what each gets), and the output is still plain decoding's."""
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
-    llm = make_llm(smollm2, {"method": "subspec"}, **FP32)
-    try:
-        result = timed_generate(llm, prompts, GREEDY)
-        penalized = timed_generate(llm, prompts[:NUM_PENALIZED], PENALIZED)
-        tuner = llm.collective_rpc(_tuner_state)[0]
-    finally:
-        shutdown(llm)
-    plain_greedy, plain_penalized = plain
-    assert_identical(result.token_ids, plain_greedy.token_ids)
-    assert_identical(penalized.token_ids, plain_penalized.token_ids)
-    stats = result.stats
-    assert stats.tau > 2.0
-    # the tuner measured both sides and tried every width before choosing
-    assert tuner["verify_rows_seen"] and tuner["draft_passes_seen"]
-    assert tuner["widths_run"] == [1, 2, 4, 6]
-    # vLLM was sent fewer draft tokens than the 6 x 32 it reserves for
-    assert stats.num_draft_tokens < stats.num_drafts * 6 * 32
+@pytest.fixture(scope="module")
+def default_engine(smollm2):
+    """The README's default config ({"method": "subspec"}), fp32: one engine for the tests
+    below that use it, in file order (the GPU start walk first, right after start; the test
+    that forces plain steps last)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
+        llm = make_llm(smollm2, {"method": "subspec"}, **FP32)
+    yield llm
+    shutdown(llm)
 
 
-def test_auto_pauses_drafting_losslessly(smollm2, prompts, plain, monkeypatch):
-    """Where plain decoding is predicted faster, auto drafts nothing (empty draft lists: vLLM
-    runs plain decoding steps) but for one probe step per choice period; switching between
-    plain steps and tree steps keeps the output plain decoding's."""
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
-    llm = make_llm(smollm2, {"method": "subspec"}, **FP32)
-    try:
-        timed_generate(llm, prompts[:2], GREEDY)  # explores every width
-        llm.collective_rpc(_predict_plain_faster)
-        result = timed_generate(llm, prompts, GREEDY)
-        plans = llm.collective_rpc(_plans_seen)[0]
-    finally:
-        shutdown(llm)
-    assert_identical(result.token_ids, plain[0].token_ids)
-    assert plans["plain"] > 3 * plans["drafting"] > 0, plans
-
-
-def _predict_plain_faster(worker) -> None:
-    tuner = worker.model_runner.drafter.session.tuner
-    tuner.plain_rate = lambda batch_size: float("inf")
-    tuner.plans_seen = {"plain": 0, "drafting": 0}
-    plan_step = tuner.plan_step
-
-    def counted(batch_size):
-        plan = plan_step(batch_size)
-        tuner.plans_seen["plain" if plan.shape.depth == 0 else "drafting"] += 1
-        return plan
-
-    tuner.plan_step = counted
-
-
-def _plans_seen(worker) -> dict:
-    return worker.model_runner.drafter.session.tuner.plans_seen
-
-
-def test_requests_drop_out_of_later_draft_passes_losslessly(smollm2, prompts, plain,
-                                                             monkeypatch):
-    """A request whose tree no longer pays stops drafting while the rest of the batch goes on
-    (the passes after it run over fewer requests: their own metadata, slots and tree rows).
-    Forced here: every step plans a 6x8 tree, and at every depth the first request still
-    drafting drops out, down to one; each request then sends its own depth to verification,
-    and the output stays plain's."""
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
-    llm = make_llm(smollm2, {"method": "subspec", "tree_width": 6, "tree_depth": "auto",
-                             "substitute_layers": "all"}, **FP32)
-    try:
-        llm.collective_rpc(_drop_one_request_per_depth)
-        result = timed_generate(llm, prompts, GREEDY)
-        dropped = llm.collective_rpc(_drop_outs_seen)[0]
-    finally:
-        shutdown(llm)
-    assert_identical(result.token_ids, plain[0].token_ids)
-    assert dropped["passes_after_a_drop_out"] > 20, dropped
-
-
-def _drop_one_request_per_depth(worker) -> None:
-    from vllm_subspec.step.shape_tuner import StepPlan
-    from vllm_subspec.step.tree import TreeShape
-
-    tuner = worker.model_runner.drafter.session.tuner
-    tuner.drop_outs_seen = {"passes_after_a_drop_out": 0}
-
-    def drafting_next(log_mass, width, reached):
-        d = log_mass.shape[1] - 1
-        candidates = [i for i, r in enumerate(reached) if r == d]
-        going = candidates[1:] if len(candidates) > 1 else candidates
-        if len(going) < len(reached):
-            tuner.drop_outs_seen["passes_after_a_drop_out"] += 1
-        return going
-
-    tuner.plan_step = lambda batch_size: StepPlan(TreeShape(6, 8), adaptive=True,
-                                                  full_depth=False)
-    tuner.drafting_next = drafting_next
-
-
-def _drop_outs_seen(worker) -> dict:
-    return worker.model_runner.drafter.session.tuner.drop_outs_seen
-
-
-def _tuner_state(worker) -> dict:
-    tuner = worker.model_runner.drafter.session.tuner
-    return {"verify_rows_seen": any(v.known for v in tuner.verify.values()),
-            "draft_passes_seen": tuner.draft_pass[tuner.width].known,
-            "widths_run": sorted(w for w, a in tuner.acceptance.items() if a.steps)}
-
-
-def test_gpu_start_sequence_walked_on_cpu_then_lossless(smollm2, prompts, plain, monkeypatch):
+def test_gpu_start_sequence_walked_on_cpu_then_lossless(default_engine, prompts, plain):
     """vLLM's GPU engine start, in its order, through the runner's own code on a CPU engine
     (default config): a GPU worker runs `profile_run` at every start, eager or not, before the
     KV cache exists (gpu_worker.py 0.32.0 :653/:693, then `initialize_from_config` :853),
@@ -195,13 +97,9 @@ def test_gpu_start_sequence_walked_on_cpu_then_lossless(smollm2, prompts, plain,
     write no KV in any of it (the old dummy_run wrote through its own slot buffer into the
     placeholder caches: ValueError on CPU, IndexError in FlashAttention), and must run its
     widest logits and top-k in the profiling pass, where vLLM measures peak memory."""
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
-    llm = make_llm(smollm2, {"method": "subspec"}, **FP32)
-    try:
-        walk = llm.collective_rpc(_walk_gpu_start)[0]
-        result = timed_generate(llm, prompts, GREEDY)
-    finally:
-        shutdown(llm)
+    llm = default_engine  # first user of the shared engine: the walk runs right after start
+    walk = llm.collective_rpc(_walk_gpu_start)[0]
+    result = timed_generate(llm, prompts, GREEDY)
     assert walk["drafter_calls"] == [("profile", False), ("capture", True), ("warm-up", False)]
     assert walk["kv_unchanged_by_warm_ups"]
     # the profiling pass ran the draft's widest pass: max_num_seqs x 6 rows of logits
@@ -278,11 +176,116 @@ def _walk_gpu_start(worker) -> dict:
             "sampler_warm_up_rows": max(sampler_rows)}
 
 
+def test_auto_shape_greedy_identical(default_engine, prompts, plain):
+    """The default config ({"method": "subspec"}: auto width and adaptive depth): each step's
+    shape comes from measured costs, requests send trees of different depths to verification
+    (vLLM schedules what each gets), and the output is still plain decoding's."""
+    llm = default_engine
+    result = timed_generate(llm, prompts, GREEDY)
+    penalized = timed_generate(llm, prompts[:NUM_PENALIZED], PENALIZED)
+    tuner = llm.collective_rpc(_tuner_state)[0]
+    plain_greedy, plain_penalized = plain
+    assert_identical(result.token_ids, plain_greedy.token_ids)
+    assert_identical(penalized.token_ids, plain_penalized.token_ids)
+    stats = result.stats
+    assert stats.tau > 2.0
+    # the tuner measured both sides and tried every width before choosing
+    assert tuner["verify_rows_seen"] and tuner["draft_passes_seen"]
+    assert tuner["widths_run"] == [1, 2, 4, 6]
+    # vLLM was sent fewer draft tokens than the 6 x 32 it reserves for
+    assert stats.num_draft_tokens < stats.num_drafts * 6 * 32
+
+
+def test_auto_pauses_drafting_losslessly(default_engine, prompts, plain):
+    """Where plain decoding is predicted faster, auto drafts nothing (empty draft lists: vLLM
+    runs plain decoding steps) but for one probe step per choice period; switching between
+    plain steps and tree steps keeps the output plain decoding's."""
+    llm = default_engine  # its last user: the tuner is changed for good here
+    try:
+        timed_generate(llm, prompts[:2], GREEDY)  # explores every width (earlier tests did)
+        llm.collective_rpc(_predict_plain_faster)
+        result = timed_generate(llm, prompts, GREEDY)
+        plans = llm.collective_rpc(_plans_seen)[0]
+    finally:  # before the module's next engine starts (the fixture's teardown is then a no-op)
+        shutdown(llm)
+    assert_identical(result.token_ids, plain[0].token_ids)
+    assert plans["plain"] > 3 * plans["drafting"] > 0, plans
+
+
+def _predict_plain_faster(worker) -> None:
+    tuner = worker.model_runner.drafter.session.tuner
+    tuner.plain_rate = lambda batch_size: float("inf")
+    tuner.plans_seen = {"plain": 0, "drafting": 0}
+    plan_step = tuner.plan_step
+
+    def counted(batch_size):
+        plan = plan_step(batch_size)
+        tuner.plans_seen["plain" if plan.shape.depth == 0 else "drafting"] += 1
+        return plan
+
+    tuner.plan_step = counted
+
+
+def _plans_seen(worker) -> dict:
+    return worker.model_runner.drafter.session.tuner.plans_seen
+
+
+def test_requests_drop_out_of_later_draft_passes_losslessly(smollm2, prompts, plain,
+                                                             monkeypatch):
+    """A request whose tree no longer pays stops drafting while the rest of the batch goes on
+    (the passes after it run over fewer requests: their own metadata, slots and tree rows).
+    Forced here: every step plans a 6x8 tree, and at every depth the first request still
+    drafting drops out, down to one; each request then sends its own depth to verification,
+    and the output stays plain's."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
+    llm = make_llm(smollm2, {"method": "subspec", "tree_width": 6, "tree_depth": "auto",
+                             "substitute_layers": "all"}, **FP32)
+    try:
+        llm.collective_rpc(_drop_one_request_per_depth)
+        result = timed_generate(llm, prompts, GREEDY)
+        dropped = llm.collective_rpc(_drop_outs_seen)[0]
+    finally:
+        shutdown(llm)
+    assert_identical(result.token_ids, plain[0].token_ids)
+    assert dropped["passes_after_a_drop_out"] > 20, dropped
+
+
+def _drop_one_request_per_depth(worker) -> None:
+    from vllm_subspec.step.shape_tuner import StepPlan
+    from vllm_subspec.step.tree import TreeShape
+
+    tuner = worker.model_runner.drafter.session.tuner
+    tuner.drop_outs_seen = {"passes_after_a_drop_out": 0}
+
+    def drafting_next(log_mass, width, reached):
+        d = log_mass.shape[1] - 1
+        candidates = [i for i, r in enumerate(reached) if r == d]
+        going = candidates[1:] if len(candidates) > 1 else candidates
+        if len(going) < len(reached):
+            tuner.drop_outs_seen["passes_after_a_drop_out"] += 1
+        return going
+
+    tuner.plan_step = lambda batch_size: StepPlan(TreeShape(6, 8), adaptive=True,
+                                                  full_depth=False)
+    tuner.drafting_next = drafting_next
+
+
+def _drop_outs_seen(worker) -> dict:
+    return worker.model_runner.drafter.session.tuner.drop_outs_seen
+
+
+def _tuner_state(worker) -> dict:
+    tuner = worker.model_runner.drafter.session.tuner
+    return {"verify_rows_seen": any(v.known for v in tuner.verify.values()),
+            "draft_passes_seen": tuner.draft_pass[tuner.width].known,
+            "widths_run": sorted(w for w, a in tuner.acceptance.items() if a.steps)}
+
+
 @pytest.mark.parametrize("spec", [
     {"method": "subspec", "tree_width": 6, "tree_depth": 8, "substitute_layers": "all"},
     {"method": "subspec"},  # auto shape
 ], ids=["6x8", "auto"])
-def test_tree_with_prefills_preemption_and_prefix_cache(smollm2, spec):
+def test_tree_with_prefills_preemption_and_prefix_cache(smollm2, spec, plain_references):
     """Staggered lengths (prefills join running decodes), a KV cache too small for every request
     at once (preemption), and a shared system prompt (prefix-cache hits)."""
     # longer than one KV block (128 tokens on the CPU backend), so it can be shared
@@ -295,21 +298,20 @@ def test_tree_with_prefills_preemption_and_prefix_cache(smollm2, spec):
     settings = dict(FP32, max_num_seqs=6, kv_cache_memory_bytes=48 * 2**20, max_model_len=768,
                     max_num_batched_tokens=512)
 
-    def run(spec):
-        llm = make_llm(smollm2, spec, **settings)
-        try:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            # the same prompts again: served from the prefix cache
-            again = llm.generate(prompts[:3], params[:3], use_tqdm=False)
-            metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-            ids = [list(o.outputs[0].token_ids) for o in outs]
-            assert [list(o.outputs[0].token_ids) for o in again] == ids[:3]
-            return ids, metrics, acceptance_stats(llm) if spec else None
-        finally:
-            shutdown(llm)
-
-    plain_ids, _, _ = run(None)
-    spec_ids, metrics, stats = run(spec)
+    llm = make_llm(smollm2, spec, **settings)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        # the same prompts again: served from the prefix cache
+        again = llm.generate(prompts[:3], params[:3], use_tqdm=False)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        stats = acceptance_stats(llm)
+    finally:
+        shutdown(llm)
+    spec_ids = [list(o.outputs[0].token_ids) for o in outs]
+    assert [list(o.outputs[0].token_ids) for o in again] == spec_ids[:3]
+    # the plain engine in the same settings (preempted too: plain decoding is plain decoding)
+    plain_ids = plain_references.get(smollm2, settings, {"staggered": PlainRun(prompts, params)}
+                                     )["staggered"].token_ids
     assert_identical(spec_ids, plain_ids)
     assert metrics["vllm:num_preemptions"] > 0
     assert metrics["vllm:prefix_cache_hits"] > 0

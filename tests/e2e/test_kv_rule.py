@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_llm, shutdown
 from vllm import SamplingParams
 
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
+from subspec_testing.plain_reference import PlainRun
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # probes and shims
 
@@ -26,12 +26,11 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def probe(smollm2, tmp_path_factory):
+def probe(smollm2, tmp_path_factory, plain_references):
     prompts = chat_prompts(smollm2, mt_bench_prompts(4))
-    plain = make_llm(smollm2, enable_prefix_caching=False, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    reference = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
-    shutdown(plain)
+    reference = plain_references.get(smollm2, dict(enable_prefix_caching=False, dtype="float32"),
+                                     {"greedy": PlainRun(prompts, params)})["greedy"].token_ids
     d = tmp_path_factory.mktemp("kv_rule")
     (d / "prompts.json").write_text(json.dumps([prompts, MAX_TOKENS]))
     # the probe imports subspec_testing from the repository root (pytest's pythonpath does not

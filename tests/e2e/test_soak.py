@@ -3,17 +3,14 @@ preemption, 200 requests from 32 concurrent openai clients, checked against a pl
 
 Deselected by default (tens of minutes on 2 cores); run it with
 
-    python -m pytest -m soak tests/e2e/test_soak.py        # or: python benchmarks/soak.py
+    python -m pytest -m soak tests/e2e/test_soak.py        # or: python -m benchmarks.soak
 
 It writes benchmarks/results/soak.{json,md}.
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 pytestmark = [pytest.mark.soak, pytest.mark.e2e]
 

@@ -2,18 +2,15 @@
 with a memory plan checked before any engine starts (printed by `gpu_check.sh --dry-run`:
 tests/integration/test_gpu_check_dry_run.py)."""
 
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from gpu_offload import (  # noqa: E402
+from benchmarks.gpu_offload import (
     DRAFT_BYTES_PER_LOGIT,
     QWEN25_7B,
     ModelShape,
@@ -23,7 +20,7 @@ from gpu_offload import (  # noqa: E402
     prefetch_groups,
     profiling_peak_gb,
 )
-from projection import SUBSTITUTE_FRACTION, GpuSetting  # noqa: E402
+from benchmarks.projection import SUBSTITUTE_FRACTION, GpuSetting
 
 # Qwen2.5-7B: 28 layers of 0.466 GB bf16, 15.23 GB in all; the paper's 8 GB card
 W, LAYER, N, BUDGET = 15.23, 0.466, 28, 8.0 - 1.5
