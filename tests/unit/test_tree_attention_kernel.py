@@ -244,3 +244,58 @@ def test_torch_rows_group_query_heads_like_one_head_at_a_time(heads, kv_heads):
         scores[:, prefix:] = scores[:, prefix:].masked_fill(~mask, float("-inf"))
         ref[:, h] = scores.softmax(-1) @ vh
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_requests_rows_in_one_kernel_call_equal_each_alone(dtype):
+    """`apply_tree_attention` runs the rows of every tree request of a forward in one kernel
+    call; each request's rows must be bit-identical to its own call (prefixes of 0, 130 and
+    300 tokens: no shared block, a block boundary, several blocks), and the layer's output rows
+    of other requests untouched."""
+    from types import SimpleNamespace
+
+    from vllm_subspec.step.tree_attention import TreeMask, TreePlan, apply_tree_attention
+
+    ops = _ops()
+    heads, kv_heads, d = 9, 3, 64
+    g = torch.Generator().manual_seed(5)
+    kv = torch.zeros(12, kv_heads, BS, 2 * d, dtype=dtype)
+    tables = torch.randperm(12, generator=g)[:12].view(3, 4).to(torch.int32)
+    n = 4 * BS
+    for table in tables:
+        logical = torch.arange(n)
+        write(ops, kv, (2 * torch.randn(n, kv_heads, d, generator=g)).to(dtype),
+              torch.randn(n, kv_heads, d, generator=g).to(dtype),
+              table[logical // BS].long() * BS + logical % BS)
+    masks = []
+    for width, depth in ((3, 3), (2, 4), (4, 2)):
+        tree = TreeBatch(TreeShape(width, depth), torch.tensor([0]))
+        tree.grow(torch.randn(1, 11, generator=g).log_softmax(-1))
+        for _ in range(depth - 1):
+            tree.grow(torch.randn(1, width, 11, generator=g).log_softmax(-1))
+        masks.append(tree.mask[0])
+    # query rows: request 0's tree, a plain decode row, request 1's, request 2's
+    starts, at = [], 0
+    for i, m in enumerate(masks):
+        at += 1 if i == 1 else 0
+        starts.append(at)
+        at += m.shape[0]
+    query = (2 * torch.randn(at, heads, d, generator=g)).to(dtype)
+    rows = [TreeRows(i, s, prefix, m)
+            for i, (s, prefix, m) in enumerate(zip(starts, (0, 130, 300), masks))]
+    alone = [tree_attention_rows(query, CpuVecLayout(kv), tables[r.req_index], r, d ** -0.5)
+             for r in rows]
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the CPU reader
+    impl.scale = d ** -0.5
+    mask = TreeMask()
+    mask.attach(impl)
+    output = torch.full((at, heads * d), 7.0, dtype=dtype)
+    with mask.active(TreePlan(rows)):
+        apply_tree_attention(impl, SimpleNamespace(isa="vec"), query, kv,
+                             SimpleNamespace(block_table=tables), output)
+    out = output.view(at, heads, d)
+    for r, ref in zip(rows, alone):
+        assert torch.equal(out[r.q_start: r.q_start + ref.shape[0]], ref)
+    assert (out[masks[0].shape[0]] == 7.0).all()  # the plain row is the backend's

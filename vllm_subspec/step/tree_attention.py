@@ -71,76 +71,122 @@ _MASK_ATTR = "_subspec_tree_mask"
 
 def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
                         scale: float) -> torch.Tensor:
-    """Attention output [q_len, heads, head_dim] for one request's tree rows.
+    """Attention output [q_len, heads, head_dim] for one request's tree rows (`block_table`:
+    its row).
 
     Row r sees the prefix [0, L) and the tree slots its mask allows (its ancestors and itself,
     at least one position in all). On the CPU backend this is vLLM's own kernel over exactly those
     positions (`_cpu_kernel_rows`: bit-identical to the decode row plain decoding computes for that
     token); elsewhere a torch fp32 recomputation (`_torch_rows`).
     """
-    if isinstance(layout, CpuVecLayout) and layout.kv_cache.dtype == query.dtype:
-        return _cpu_kernel_rows(query, layout, block_table, rows, scale)
+    if uses_cpu_kernel(layout, query):
+        return _cpu_kernel_rows(query, layout, [block_table], [rows], scale)
     return _torch_rows(query, layout, block_table, rows, scale)
 
 
-def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, block_table: torch.Tensor,
-                     rows: TreeRows, scale: float) -> torch.Tensor:
-    """Tree rows through vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`).
+def uses_cpu_kernel(layout, query: torch.Tensor) -> bool:
+    return isinstance(layout, CpuVecLayout) and layout.kv_cache.dtype == query.dtype
 
-    Each row becomes one decode request over a scratch paged cache: the whole blocks of the prefix
-    are copied once and shared by all rows; each row gets its own tail blocks holding the rest of
-    the prefix followed by the K/V of the tree slots it sees, in slot order (root, ancestors,
-    itself), i.e. exactly the context plain decoding has at that node, at the same positions.
-    The kernel's arithmetic (fp32 FMA dot products, its polynomial exp, lane-wise sums, sequential
-    P·V, one rounding at the end) is thus reproduced by construction, not imitated. KV splitting is
-    off, as in a decode that is not split across threads (always the case with one OMP thread).
-    Masked slots are simply not in a row's context.
+
+SCRATCH_BLOCK = 32  # tokens per block of the kernel's scratch cache (its tile: 32 tokens)
+
+
+def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, tables: list[torch.Tensor],
+                     requests: list[TreeRows], scale: float) -> torch.Tensor:
+    """The tree rows of `requests` (each with its block-table row in `tables`) through one call
+    of vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`); returns [rows, heads, d],
+    the requests' rows in order.
+
+    Each row becomes one decode request over a scratch paged cache with 32-token blocks: the
+    whole scratch blocks of its request's prefix are filled once and shared by that request's
+    rows; each row gets its own tail blocks holding the rest of the prefix followed by the K/V
+    of the tree slots it sees, in slot order (root, ancestors, itself), i.e. exactly the context
+    plain decoding has at that node, at the same positions. The kernel's arithmetic (fp32 FMA
+    dot products, its polynomial exp, lane-wise sums, sequential P·V over 32-token tiles, one
+    rounding at the end) is thus reproduced by construction, not imitated; each decode request
+    is computed on its own (KV splitting off, as in a decode that is not split across threads,
+    always the case with one OMP thread), so batching every request's rows into one call
+    changes no bit (tests/unit/test_tree_attention_kernel.py). Masked slots are simply not in a
+    row's context. Small blocks keep the per-row tails (at most 31 prefix tokens and the row's
+    path) small: the scratch is written, zeroed and read for every layer of every tree pass.
     """
     from vllm import _custom_ops as ops
 
-    mask = rows.tree_mask.to(device="cpu", dtype=torch.bool)
-    q_len = mask.shape[0]
-    L, bs = rows.prefix_len, layout.block_size
-    kv = layout.kv_cache
+    bs, kv = SCRATCH_BLOCK, layout.kv_cache
     kv_heads, d = kv.shape[1], kv.shape[3] // 2
     heads = query.shape[1]
-    seen = mask.sum(1)  # tree slots visible to each row
-    full, lead = divmod(L, bs)  # whole prefix blocks; prefix tokens in the block after them
-    tail = -(-(lead + int(seen.max())) // bs)  # blocks per row after the shared ones
-    table = block_table.to(device="cpu", dtype=torch.int64)
+    masks = [r.tree_mask.to(device="cpu", dtype=torch.bool) for r in requests]
+    seen = [m.sum(1) for m in masks]  # tree slots visible to each row
+    cpu_tables = [t.to(device="cpu", dtype=torch.int64) for t in tables]
+    split = [divmod(r.prefix_len, bs) for r in requests]  # whole scratch blocks; tokens after
+    tails = [-(-(lead + int(s.max())) // bs) for (_, lead), s in zip(split, seen)]
+    num_prefix = sum(full for full, _ in split)  # scratch: [shared prefix blocks][row tails]
+    num_rows = sum(m.shape[0] for m in masks)
+    num_tail = sum(m.shape[0] * t for m, t in zip(masks, tails))
+    scratch = kv.new_empty(num_prefix + num_tail, kv_heads, bs, kv.shape[3])
+    # the kernel reads V up to its 32-token alignment (times a zero probability)
+    scratch[num_prefix:].zero_()
+    req_table = torch.zeros(num_rows, max(full + t for (full, _), t in zip(split, tails)),
+                            dtype=torch.int32)
+    src, dst = [], []  # logical slots in the KV cache -> token slots in the scratch
+    prefix_at, tail_at, row = 0, num_prefix, 0
+    for req, table, mask, s, (full, lead), tail in zip(requests, cpu_tables, masks, seen, split,
+                                                       tails):
+        q_len, L = mask.shape[0], req.prefix_len
+        first = tail_at + torch.arange(q_len) * tail  # each row's first tail block
+        req_table[row: row + q_len, :full] = prefix_at + torch.arange(full, dtype=torch.int32)
+        req_table[row: row + q_len, full: full + tail] = (
+            first[:, None] + torch.arange(tail)).to(torch.int32)
+        # the prefix's whole scratch blocks, once: whole cache blocks as blocks, then tokens
+        whole = full * bs // layout.block_size if layout.block_size % bs == 0 else 0
+        _split_blocks(layout, table[:whole], scratch, prefix_at)
+        shared = torch.arange(whole * layout.block_size, full * bs)
+        src.append(logical_to_slots(table, shared, layout.block_size))
+        dst.append(prefix_at * bs + shared)
+        # per row: the prefix's last `lead` tokens, then the tree slots it sees, in order
+        r, j = mask.nonzero(as_tuple=True)  # row-major: each row's slots in ascending order
+        rows = torch.cat([torch.arange(q_len).repeat_interleave(lead), r])
+        logical = torch.cat([(full * bs + torch.arange(lead)).repeat(q_len), L + j])
+        pos = torch.cat([torch.arange(lead).repeat(q_len),
+                         lead + torch.arange(r.numel()) - (torch.cumsum(s, 0) - s)[r]])
+        src.append(logical_to_slots(table, logical, layout.block_size))
+        dst.append((first[rows] + pos // bs) * bs + pos % bs)
+        prefix_at, tail_at, row = prefix_at + full, tail_at + q_len * tail, row + q_len
+    k, v = layout.gather(torch.cat(src))
+    CpuVecLayout(scratch).put(torch.cat(dst), k, v)
 
-    scratch = kv.new_empty(full + q_len * tail, *kv.shape[1:])
-    if full:
-        torch.index_select(kv, 0, table[:full], out=scratch[:full])
-    tails = scratch[full:].view(q_len, tail, *kv.shape[1:])
-    tails.zero_()  # the kernel reads V up to its 32-token alignment (times a zero probability)
-    if lead:
-        tails[:, 0] = kv[table[full]]
-    r, j = mask.nonzero(as_tuple=True)  # row-major: each row's slots in ascending order
-    k, v = layout.gather(logical_to_slots(table, L + j, bs))
-    start = torch.cumsum(seen, 0) - seen
-    pos = lead + torch.arange(r.numel()) - start[r]  # position inside the row's tail blocks
-    CpuVecLayout(scratch).put((full + r * tail + pos // bs) * bs + pos % bs, k, v)
-
-    req_table = torch.empty(q_len, full + tail, dtype=torch.int32)
-    req_table[:, :full] = torch.arange(full, dtype=torch.int32)
-    req_table[:, full:] = full + torch.arange(q_len, dtype=torch.int32)[:, None] * tail \
-        + torch.arange(tail, dtype=torch.int32)
-    seq_lens = (L + seen).to(torch.int32)
-    starts = torch.arange(q_len + 1, dtype=torch.int32)
+    seq_lens = torch.cat([req.prefix_len + s for req, s in zip(requests, seen)]).to(torch.int32)
+    starts = torch.arange(num_rows + 1, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=q_len, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=seq_lens,
-        dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1,
-        isa=layout.isa, enable_kv_split=False)
+        num_reqs=num_rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+        seq_lens=seq_lens, dtype=query.dtype, query_start_loc=starts, causal=True,
+        sliding_window_size=-1, isa=layout.isa, enable_kv_split=False)
     key_cache, value_cache = scratch.view(scratch.shape[0], kv_heads, 2 * bs, d).chunk(2, dim=2)
-    q = query[rows.q_start: rows.q_start + q_len]
-    out = torch.empty(q_len, heads, d, dtype=query.dtype)
+    q = torch.cat([query[r.q_start: r.q_start + m.shape[0]] for r, m in zip(requests, masks)])
+    out = torch.empty(num_rows, heads, d, dtype=query.dtype)
     ops.cpu_attention_with_kv_cache(
         query=q, key_cache=key_cache, value_cache=value_cache, output=out,
         query_start_loc=starts, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
         sliding_window=-1, block_table=req_table, softcap=0.0, scheduler_metadata=metadata,
         s_aux=None)
     return out
+
+
+def _split_blocks(layout: CpuVecLayout, blocks: torch.Tensor, scratch: torch.Tensor,
+                  first: int) -> None:
+    """Copy the cache blocks `blocks` into consecutive scratch blocks from `first` on, each
+    cache block (B tokens) becoming B / SCRATCH_BLOCK scratch blocks (keys stay transposed per
+    block: [head_dim, block])."""
+    n = blocks.numel()
+    if n == 0:
+        return
+    per = layout.block_size // SCRATCH_BLOCK
+    h, d = layout.kv_heads, layout.kv_cache.shape[3] // 2
+    out = CpuVecLayout(scratch)
+    keys = layout.keys_t[blocks].view(n, h, d, per, SCRATCH_BLOCK).permute(0, 3, 1, 2, 4)
+    values = layout.values[blocks].view(n, h, per, SCRATCH_BLOCK, d).permute(0, 2, 1, 3, 4)
+    out.keys_t[first: first + n * per] = keys.reshape(n * per, h, d, SCRATCH_BLOCK)
+    out.values[first: first + n * per] = values.reshape(n * per, h, SCRATCH_BLOCK, d)
 
 
 def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
@@ -185,6 +231,15 @@ def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) ->
         else attn_metadata.block_table_tensor
     heads = query.shape[1]
     out = output.view(output.shape[0], heads, -1)
+    if uses_cpu_kernel(layout, query):  # every request's rows in one kernel call
+        res = _cpu_kernel_rows(query, layout, [block_table[r.req_index] for r in plan.rows],
+                               plan.rows, impl.scale)
+        done = 0
+        for rows in plan.rows:
+            n = rows.tree_mask.shape[0]
+            out[rows.q_start: rows.q_start + n] = res[done: done + n]
+            done += n
+        return
     for rows in plan.rows:
-        res = tree_attention_rows(query, layout, block_table[rows.req_index], rows, impl.scale)
+        res = _torch_rows(query, layout, block_table[rows.req_index], rows, impl.scale)
         out[rows.q_start: rows.q_start + res.shape[0]] = res
