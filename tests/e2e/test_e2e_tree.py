@@ -199,35 +199,49 @@ def test_auto_shape_greedy_identical(default_engine, prompts, plain):
 def test_auto_pauses_drafting_losslessly(default_engine, prompts, plain):
     """Where plain decoding is predicted faster, auto drafts nothing (empty draft lists: vLLM
     runs plain decoding steps) but for one probe step per choice period; switching between
-    plain steps and tree steps keeps the output plain decoding's."""
+    plain steps and tree steps keeps the output plain decoding's. The tuner is given a cost
+    model in which a draft pass costs a second and a verify a millisecond
+    (`ShapeTuner.use_costs`); the steps are counted by the session's `StepStats`."""
     llm = default_engine  # its last user: the tuner is changed for good here
     try:
         timed_generate(llm, prompts[:2], GREEDY)  # explores every width (earlier tests did)
-        llm.collective_rpc(_predict_plain_faster)
+        before = llm.collective_rpc(_predict_plain_faster)[0]
         result = timed_generate(llm, prompts, GREEDY)
-        plans = llm.collective_rpc(_plans_seen)[0]
+        after = llm.collective_rpc(_step_stats)[0]
     finally:  # before the module's next engine starts (the fixture's teardown is then a no-op)
         shutdown(llm)
     assert_identical(result.token_ids, plain[0].token_ids)
-    assert plans["plain"] > 3 * plans["drafting"] > 0, plans
+    plain_steps = after["plain_steps"] - before["plain_steps"]
+    drafting = after["draft_calls"] - before["draft_calls"] - plain_steps
+    assert plain_steps > 3 * drafting > 0, (plain_steps, drafting)
 
 
-def _predict_plain_faster(worker) -> None:
+def _predict_plain_faster(worker) -> dict:
+    from vllm_subspec.step.shape_tuner import LinearCost, StepCosts
+
+    class Fixed(LinearCost):  # `seconds` whatever the rows; observations ignored
+        known = True
+
+        def __init__(self, seconds):
+            super().__init__()
+            self.seconds = seconds
+
+        def add(self, rows, seconds):
+            pass
+
+        def coefficients(self):
+            return self.seconds, 0.0
+
     tuner = worker.model_runner.drafter.session.tuner
-    tuner.plain_rate = lambda batch_size: float("inf")
-    tuner.plans_seen = {"plain": 0, "drafting": 0}
-    plan_step = tuner.plan_step
-
-    def counted(batch_size):
-        plan = plan_step(batch_size)
-        tuner.plans_seen["plain" if plan.shape.depth == 0 else "drafting"] += 1
-        return plan
-
-    tuner.plan_step = counted
+    tuner.use_costs(StepCosts({w: Fixed(1.0) for w in tuner.draft_pass},
+                              {w: Fixed(1e-3) for w in tuner.verify}, Fixed(0.0)))
+    return _step_stats(worker)
 
 
-def _plans_seen(worker) -> dict:
-    return worker.model_runner.drafter.session.tuner.plans_seen
+def _step_stats(worker) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(worker.model_runner.drafter.session.stats)
 
 
 def test_requests_drop_out_of_later_draft_passes_losslessly(smollm2, prompts, plain,

@@ -230,10 +230,13 @@ def test_injected_costs_decide_and_a_plain_step_drafts_nothing():
     options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
     widths = options.widths
 
+    session_stats = []
+
     def steps_drafting(pass_s: float, verify_s: float) -> list[bool]:
         costs = StepCosts({w: Flat(pass_s) for w in (0, *widths)},
                           {w: Flat(verify_s) for w in widths}, Flat(0.0))
         session = StepSession(options, ShapeTuner(widths, 4, False, True, costs=costs))
+        session_stats.append(session.stats)
         drafted = []
         for _ in range(40):
             step = run_step(session, [5, 20], [3, 8], options.num_draft_tokens)
@@ -245,6 +248,7 @@ def test_injected_costs_decide_and_a_plain_step_drafts_nothing():
     # draft passes cost 1000x a verify: plain steps but for one probe per choice period (16)
     expensive = steps_drafting(1.0, 1e-3)
     assert not expensive[0] and 0 < expensive.count(True) <= 3, expensive
+    assert session_stats[-1].plain_steps == expensive.count(False)
     # the other way round (a GPU with offloading): every step drafts
     assert all(steps_drafting(1e-3, 1.0))
 

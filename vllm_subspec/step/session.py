@@ -51,6 +51,7 @@ class StepStats:
     """Running totals over an engine's steps (benchmarks read them through collective_rpc)."""
 
     draft_calls: int = 0  # proposals (steps that asked the drafter)
+    plain_steps: int = 0  # proposals that drafted nothing: plain decoding predicted faster
     draft_passes: int = 0  # draft forwards
     draft_seconds: float = 0.0  # wall time in `propose`
     verified_trees: int = 0  # drafted trees walked by the target
@@ -124,6 +125,7 @@ class StepSession:
     def _draft_trees(self, passes: DraftPasses, req_ids: list[str],
                      next_token_ids: torch.Tensor, plan: StepPlan):
         if plan.shape.depth == 0:  # plain decoding is predicted faster
+            self.stats.plain_steps += 1
             return [[] for _ in req_ids], 0
         tuner, k = self.tuner, plan.shape.width
         adaptive = tuner is not None and plan.adaptive and not plan.full_depth
