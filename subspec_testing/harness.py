@@ -66,6 +66,14 @@ def count_identical(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b))
 
 
+def assert_identical(spec_ids: list[list[int]], plain_ids: list[list[int]]) -> None:
+    """Token for token, every request (the fp32 standard); names each first divergence."""
+    bad = {i: first_divergence(a, b) for i, (a, b) in enumerate(zip(spec_ids, plain_ids))
+           if a != b}
+    assert not bad, f"prompt -> first divergent token: {bad}"
+    assert len(spec_ids) == len(plain_ids)
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (or length mismatch), None if identical."""
     for i, (x, y) in enumerate(zip(a, b)):

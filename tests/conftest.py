@@ -16,6 +16,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _bind_worker_to_its_core() -> None:
+    """Under pytest-xdist (scripts/test.sh: one worker per core), the engines of worker gwN run
+    on core N: vLLM's CPU worker otherwise binds every engine to the same core ("auto")."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
+
+
+_bind_worker_to_its_core()
+
+# The e2e files that take longest run first, so two workers finish together (--dist loadfile
+# hands out whole files in collection order).
+SLOW_FIRST = ("e2e/test_e2e_tree.py", "e2e/test_e2e_compiled.py",
+              "e2e/test_e2e_tree_batches.py", "e2e/test_e2e_context_limit.py",
+              "e2e/test_e2e_serve.py", "e2e/test_e2e_greedy.py", "e2e/test_e2e_sampling.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file and among the rest is kept
+
 from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine  # noqa: E402
 
 # Same budget for every engine so KV block counts are comparable.
@@ -49,12 +75,27 @@ def count_engine_starts():
         yield
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand its counts to the controller
+        workeroutput["engine_starts"] = dict(ENGINE_STARTS)
+
+
+try:  # pytest-xdist's hook, defined only where xdist is installed (pytest checks hook names)
+    import xdist  # noqa: F401
+
+    def pytest_testnodedown(node, error):
+        for what, n in getattr(node, "workeroutput", {}).get("engine_starts", {}).items():
+            ENGINE_STARTS[what] += n
+except ImportError:
+    pass
+
+
 def pytest_terminal_summary(terminalreporter):
     if any(ENGINE_STARTS.values()):
         terminalreporter.write_line(
-            "engines started in this process: " + ", ".join(
-                f"{n} x {what}" for what, n in ENGINE_STARTS.items()) +
-            " (probe subprocesses not counted)")
+            "engines started: " + ", ".join(f"{n} x {what}" for what, n in ENGINE_STARTS.items())
+            + " (probe subprocesses not counted)")
 
 
 @pytest.fixture(scope="session")

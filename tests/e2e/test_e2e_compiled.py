@@ -17,7 +17,7 @@ from conftest import make_llm, shutdown
 from vllm import SamplingParams
 
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
-from subspec_testing.harness import first_divergence, timed_generate
+from subspec_testing.harness import assert_identical, timed_generate
 from subspec_testing.plain_reference import PlainRun
 from subspec_testing import serve
 from subspec_testing.serve import stop_server, wait_healthy
@@ -58,12 +58,6 @@ def plain(smollm2, prompts, server, plain_references):
         "greedy": PlainRun(prompts, GREEDY), "seeded": PlainRun(prompts, seeded(len(prompts)))})
     greedy, sampled = runs["greedy"], runs["seeded"]
     return greedy.token_ids, sampled.token_ids, sampled.texts, greedy.texts
-
-
-def assert_identical(spec_ids, plain_ids):
-    bad = {i: first_divergence(a, b) for i, (a, b) in enumerate(zip(spec_ids, plain_ids))
-           if a != b}
-    assert not bad, f"prompt -> first divergent token: {bad}"
 
 
 def run_compiled(smollm2, prompts, spec, sampled: bool):
