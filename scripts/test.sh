@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 exec python3 -m pytest -v -p no:cacheprovider -n "${SUBSPEC_TEST_WORKERS:-2}" --dist loadfile \
+  --no-loadscope-reorder \
   tests "$@"
