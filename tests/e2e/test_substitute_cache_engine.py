@@ -1,5 +1,5 @@
-"""The on-disk substitute cache in an engine: a warm start quantizes nothing (SmolLM2, 120
-linears and the draft's lm_head)."""
+"""The on-disk substitute cache in an engine: a warm start quantizes nothing (a 4-layer Llama:
+16 linears and the draft's lm_head)."""
 
 import pytest
 
@@ -13,9 +13,10 @@ def _substitute_counts(worker):
     return subs.built, subs.cache_hits, sum(len(d) for d in subs.layers.values())
 
 
-def test_engine_warm_start_builds_nothing(smollm2, tmp_path, monkeypatch):
-    """SmolLM2 (30 layers x 4 linears) with a fresh cache folder: the first engine quantizes 120
-    linears and stores them, the second loads all 120 and quantizes none; same greedy tokens."""
+def test_engine_warm_start_builds_nothing(tiny_llama, tmp_path, monkeypatch):
+    """A 4-layer Llama (4 x 4 linears) with a fresh cache folder: the first engine quantizes 16
+    linears and the draft's lm_head and stores them, the second loads all 17 and quantizes
+    none; same greedy tokens."""
     from conftest import make_llm, shutdown
     from vllm import SamplingParams
 
@@ -24,10 +25,10 @@ def test_engine_warm_start_builds_nothing(smollm2, tmp_path, monkeypatch):
     spec = {"method": "subspec", "num_speculative_tokens": 4, "substitute_layers": "all",
             "quantizer": "rtn", "substitute_cache": str(root)}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
+    prompts = [{"prompt_token_ids": [5, 9, 13, 2]}, {"prompt_token_ids": [7, 1, 30]}]
     runs = []
     for _ in range(2):
-        llm = make_llm(smollm2, spec)
+        llm = make_llm(tiny_llama, spec, skip_tokenizer_init=True)
         try:
             counts = llm.collective_rpc(_substitute_counts)[0]
             ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
@@ -37,8 +38,8 @@ def test_engine_warm_start_builds_nothing(smollm2, tmp_path, monkeypatch):
         runs.append((counts, ids))
         if len(runs) == 1:
             files = list(root.glob("*/*.safetensors"))
-            assert len(files) == 121  # 30 layers x 4 linears, and the draft's lm_head
+            assert len(files) == 17  # 4 layers x 4 linears, and the draft's lm_head
     (cold_counts, cold_ids), (warm_counts, warm_ids) = runs
-    assert cold_counts == (121, 0, 120)
-    assert warm_counts == (0, 121, 120)
+    assert cold_counts == (17, 0, 16)
+    assert warm_counts == (0, 17, 16)
     assert warm_ids == cold_ids and all(len(t) == 24 for t in warm_ids)
