@@ -32,7 +32,7 @@ from vllm_subspec.config import options_from_vllm_config
 from vllm_subspec.draft_model.model import DraftModel, SubstituteSet, decoder_layers
 from vllm_subspec.step.paged_kv import logical_to_slots
 from vllm_subspec.step.session import StepSession
-from vllm_subspec.step.tree import widest_level
+from vllm_subspec.step.tree import TreeShape, widest_level
 from vllm_subspec.vllm_hooks.prefetch_overlap import PrefetchOverlap
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
@@ -293,8 +293,8 @@ class VllmDraftPasses:
         root = self._root if rows is None else self._root[rows]
         table = cad.block_table_tensor[: self.batch_size]
         table = table if rows is None else table[rows]
-        level_start = (depth - 1) * width + 1
-        offsets = torch.arange(level_start, level_start + width, device=root.device)
+        level = TreeShape(width, depth).level(depth)  # node indices i at this depth
+        offsets = torch.arange(level.start, level.stop, device=root.device)
         slots = logical_to_slots(table, root[:, None] + offsets, p.block_size)  # L + i
         n = root.shape[0] * width
         p.positions[:n] = (root[:, None] + depth).expand(-1, width).reshape(-1)
