@@ -206,7 +206,9 @@ def model_runner_model_problems(source: str) -> list[str]:
 HOOKS_ONLY = ("vllm.v1.worker", "vllm.engine", "vllm.entrypoints", "vllm.v1.spec_decode",
               "vllm.v1.attention", "vllm.forward_context", "vllm.v1.outputs",
               "vllm.v1.sample.rejection_sampler", "vllm.model_executor.layers.attention_layer_base")
-ALLOWED_VLLM = {"step": ("vllm._custom_ops", "vllm.v1.sample.ops"),
+# (step/ applies vLLM's sampling rules itself: its ops and its logits processors' state)
+ALLOWED_VLLM = {"step": ("vllm._custom_ops", "vllm.v1.sample.ops",
+                         "vllm.v1.sample.logits_processor"),
                 "draft_model": ("vllm.model_executor", "vllm.config")}
 SIBLINGS = {"step": ("vllm_subspec.vllm_hooks", "vllm_subspec.draft_model"),
             "draft_model": ("vllm_subspec.vllm_hooks", "vllm_subspec.step")}

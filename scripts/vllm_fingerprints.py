@@ -45,6 +45,7 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",  # 6 (CPU)
     "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",  # 7
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",  # 8
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",  # 9
     # docs/gpu.md table
     "vllm.engine.arg_utils:EngineArgs.create_engine_config",  # calls patch 1 before the configs
     "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",  # calls patch 3
@@ -129,6 +130,9 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
      "cpu_sampling_fix.expand_batch_to_tokens instead (CPU only)"),
     ("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",
      f"{_PATCH} #8)", "paged_kv.tree_cpu_attn_isa after the original (CPU trees)"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
+     f"{_PATCH} #9)", "True whenever there is a batch (SubSpec trees: drafting stops per "
+     "request)"),
     ("vllm.model_executor.offloader.prefetch:PrefetchOffloader._start_prefetch",
      "replaced on the offloader instance (vllm_hooks/prefetch_overlap.py)",
      "PrefetchOverlap._start_prefetch, calling the original"),
@@ -150,7 +154,7 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_cudagraph_keys",
      "overridden (vllm_hooks/proposer.py)", "the original with CUDAGraphMode.NONE"),
     ("vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
-     "the runner's rejection_sampler slot, trees only (vllm_hooks/install.py)",
+     "the runner's rejection_sampler slot, every shape (vllm_hooks/install.py)",
      "TreeVerifier.__call__ -> StepSession.sample_and_walk, compact"),
 )
 

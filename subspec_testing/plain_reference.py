@@ -89,7 +89,8 @@ class PlainReferences:
         engine = {**self.engine_defaults, **engine_kwargs}
         keys = {name: run_key(model, engine, run) for name, run in runs.items()}
         found = {name: self._load(key) for name, key in keys.items()}
-        missing = [name for name, value in found.items() if value is None]
+        missing = [name for name, value in found.items()
+                   if value is None or "details" not in value]
         if missing:
             from subspec_testing.harness import shutdown_engine
 
@@ -101,17 +102,35 @@ class PlainReferences:
                     outs = llm.generate(runs[name].prompts, runs[name].params, use_tqdm=False)
                     found[name] = {"token_ids": [list(o.outputs[0].token_ids) for o in outs],
                                    "texts": [o.outputs[0].text for o in outs],
+                                   "details": [output_details(o) for o in outs],
                                    "kv_blocks": blocks}
                     self._store(keys[name], found[name])
             finally:
                 shutdown_engine(llm)
         return {name: PlainResult(v["token_ids"], v["texts"], 0.0, AcceptanceStats(),
-                                  v["kv_blocks"]) for name, v in found.items()}
+                                  v["kv_blocks"], v["details"]) for name, v in found.items()}
 
 
 @dataclass
 class PlainResult(RunResult):
     kv_blocks: int = 0  # the plain engine's KV blocks
+    details: list[dict] | None = None  # output_details of each request
+
+
+def _ranked(position) -> list[list]:
+    return sorted([int(t), float(lp.logprob)] for t, lp in position.items())
+
+
+def output_details(output) -> dict:
+    """What a request's RequestOutput says beyond its first completion's tokens: every
+    completion (n > 1), each one's logprobs and the prompt's logprobs ([token, logprob] pairs
+    per position; None where not requested)."""
+    prompt = output.prompt_logprobs
+    return {"completions": [list(c.token_ids) for c in output.outputs],
+            "logprobs": [None if c.logprobs is None else [_ranked(p) for p in c.logprobs]
+                         for c in output.outputs],
+            "prompt_logprobs": None if prompt is None else
+            [None if p is None else _ranked(p) for p in prompt]}
 
 
 def default_root() -> Path | None:

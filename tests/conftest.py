@@ -133,6 +133,23 @@ def plain_references():
     return PlainReferences(make_llm, ENGINE_DEFAULTS, default_root())
 
 
+@pytest.fixture(scope="session")
+def feature_matrix(smollm2, plain_references):
+    """The request-feature matrix (subspec_testing/request_features.py) on SmolLM2 in fp32:
+    (cases, the run with every feature, plain's result of it); each feature binds."""
+    from transformers import AutoTokenizer
+
+    from subspec_testing import request_features as rf
+    from subspec_testing.assets import chat_prompts
+
+    cases = rf.cases(AutoTokenizer.from_pretrained(smollm2))
+    prompts = dict(zip([c.name for c in cases], chat_prompts(smollm2, [c.question for c in cases])))
+    runs = rf.matrix_runs(prompts, cases)
+    plain = plain_references.get(smollm2, dict(dtype="float32"), runs)
+    rf.assert_features_bind(cases, plain["bound"], plain["unbound"])
+    return cases, runs["bound"], plain["bound"]
+
+
 def num_kv_blocks(llm) -> int:
     return llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
 

@@ -14,6 +14,7 @@ from vllm import SamplingParams
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
 from subspec_testing.harness import count_identical, first_divergence, timed_generate
 from subspec_testing.plain_reference import PlainRun
+from subspec_testing.request_features import check_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +81,12 @@ def test_sampled_requests_complete_and_accept(subspec_all, prompts):
     assert all(0 <= tok < vocab for t in result.token_ids for tok in t)
     assert result.stats.num_drafts > 0
     assert 0 < result.stats.num_accepted_tokens < result.stats.num_draft_tokens
+
+
+def test_request_features_in_a_chain(subspec_all, feature_matrix):
+    """Every request feature, greedy and seeded, in one mixed batch on a chain (k = 6): the
+    chain is verified by sample-then-match too, so seeded output is plain's seeded output."""
+    assert len(check_engine(subspec_all, feature_matrix)) == 29
 
 
 def test_partial_layers_greedy_identical(smollm2, prompts, plain):

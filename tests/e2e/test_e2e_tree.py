@@ -8,10 +8,12 @@ and bf16 trees: test_e2e_tree_batches.py.
 import pytest
 from conftest import make_llm, shutdown
 from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
 
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
 from subspec_testing.harness import assert_identical, timed_generate
 from subspec_testing.plain_reference import PlainRun
+from subspec_testing.request_features import check_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -37,23 +39,24 @@ def plain(smollm2, prompts, plain_references):
     return runs["greedy"], runs["penalized"]
 
 
-@pytest.mark.parametrize("depth", [8, 16])
-def test_tree_greedy_identical(smollm2, prompts, plain, depth):
-    llm = make_llm(smollm2, {"method": "subspec", "tree_width": 6, "tree_depth": depth,
+@pytest.fixture(scope="module")
+def tree_6x8(smollm2):
+    llm = make_llm(smollm2, {"method": "subspec", "tree_width": 6, "tree_depth": 8,
                              "substitute_layers": "all"}, **FP32)
-    try:
-        result = timed_generate(llm, prompts, GREEDY)
-        penalized = timed_generate(llm, prompts[:NUM_PENALIZED], PENALIZED) if depth == 8 \
-            else None
-    finally:
-        shutdown(llm)
+    yield llm
+    shutdown(llm)
+
+
+def _check_tree_run(llm, prompts, plain, depth: int, penalized: bool) -> None:
+    result = timed_generate(llm, prompts, GREEDY)
     plain_greedy, plain_penalized = plain
     assert all(len(t) == NEW_TOKENS for t in result.token_ids)
     assert_identical(result.token_ids, plain_greedy.token_ids)
-    if penalized is not None:
-        unpenalized = [t[:len(p)] for t, p in zip(plain_greedy.token_ids, penalized.token_ids)]
-        assert penalized.token_ids != unpenalized  # the penalties change the output
-        assert_identical(penalized.token_ids, plain_penalized.token_ids)
+    if penalized:
+        run = timed_generate(llm, prompts[:NUM_PENALIZED], PENALIZED)
+        unpenalized = [t[:len(p)] for t, p in zip(plain_greedy.token_ids, run.token_ids)]
+        assert run.token_ids != unpenalized  # the penalties change the output
+        assert_identical(run.token_ids, plain_penalized.token_ids)
     stats = result.stats
     # vLLM counts the tree's 6 * depth nodes as draft tokens; accepted ones form one path
     assert stats.num_draft_tokens == stats.num_drafts * 6 * depth
@@ -61,6 +64,26 @@ def test_tree_greedy_identical(smollm2, prompts, plain, depth):
     per_depth = stats.accepted_per_position[:depth]
     assert per_depth == sorted(per_depth, reverse=True)  # acceptance is a path from the root
     assert all(a == 0 for a in stats.accepted_per_position[depth:])
+
+
+def test_deep_tree_greedy_identical(smollm2, prompts, plain):
+    llm = make_llm(smollm2, {"method": "subspec", "tree_width": 6, "tree_depth": 16,
+                             "substitute_layers": "all"}, **FP32)
+    try:
+        _check_tree_run(llm, prompts, plain, 16, penalized=False)
+    finally:
+        shutdown(llm)
+
+
+def test_tree_greedy_identical(tree_6x8, prompts, plain):
+    _check_tree_run(tree_6x8, prompts, plain, 8, penalized=True)
+
+
+def test_request_features_in_a_fixed_tree(tree_6x8, feature_matrix):
+    """Every request feature (subspec_testing/request_features.py), greedy and seeded, in one
+    mixed batch on a 6 x 8 tree: each request's tokens, logprobs and prompt logprobs equal
+    plain decoding's (min_tokens and bad_words per node path; structured outputs as chains)."""
+    assert len(check_engine(tree_6x8, feature_matrix)) == 29
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +206,17 @@ def test_auto_shape_greedy_identical(default_engine, prompts, plain):
     assert tuner["widths_run"] == [1, 2, 4, 6]
     # vLLM was sent fewer draft tokens than the 6 x 32 it reserves for
     assert stats.num_draft_tokens < stats.num_drafts * 6 * 32
+
+
+def test_request_features_in_the_default_config(default_engine, feature_matrix):
+    """The matrix on `{"method": "subspec"}` (auto shape); min_p and logit_bias are refused
+    with vLLM's own message, as for every speculative method."""
+    assert len(check_engine(default_engine, feature_matrix)) == 29
+    for refused in (dict(min_p=0.1), dict(logit_bias={11: 5.0})):
+        with pytest.raises(VLLMValidationError,
+                           match="not yet supported with speculative decoding"):
+            default_engine.generate(["Hi"], SamplingParams(max_tokens=4, **refused),
+                                    use_tqdm=False)
 
 
 def test_auto_pauses_drafting_losslessly(default_engine, prompts, plain):

@@ -42,8 +42,8 @@ def test_tree_engine_config_on_cuda(monkeypatch, tiny_llama):
 
 def test_chain_keeps_vllm_cuda_defaults(monkeypatch, tiny_llama):
     cfg, fake = cuda_config(monkeypatch, tiny_llama, CHAIN, **OFFLOAD)
-    # chains read only device-side counts (num_rejected_tokens_gpu): async scheduling is fine
-    assert cfg.scheduler_config.async_scheduling is True
+    # a chain is verified by sample-then-match too, which reads the drafts on the host
+    assert cfg.scheduler_config.async_scheduling is False
     assert cfg.attention_config.backend is None
     assert cfg.compilation_config.cudagraph_mode.has_full_cudagraphs()
     check_final_config(cfg, options_from_vllm_config(cfg), fake)  # FULL graphs: fine for chains
@@ -56,7 +56,7 @@ def test_requested_full_graphs_become_piecewise(monkeypatch, tiny_llama):
 
 
 @pytest.mark.parametrize("kw, fragment", [
-    (dict(async_scheduling=True), "async scheduling is not supported with tree drafting"),
+    (dict(async_scheduling=True), "async scheduling is not supported by SubSpec"),
     (dict(attention_backend="FLASHINFER"), "got FLASHINFER"),
     (dict(attention_backend="TRITON_ATTN"), "got TRITON_ATTN"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype 'fp8' is not supported with tree drafting"),

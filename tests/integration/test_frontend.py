@@ -60,11 +60,20 @@ def test_bad_config_fails_before_engine(tiny_llama, spec, fragment):
         engine_config(tiny_llama, spec)
 
 
-def test_processed_logprobs_mode_rejected_for_trees(tiny_llama):
+@pytest.mark.parametrize("spec", [{"method": "subspec"},
+                                  {"method": "subspec", "num_speculative_tokens": 4}])
+def test_processed_logprobs_mode_rejected(tiny_llama, spec):
     with pytest.raises(SubSpecConfigError, match="logprobs_mode 'processed_logprobs'"):
-        engine_config(tiny_llama, {"method": "subspec"}, logprobs_mode="processed_logprobs")
-    engine_config(tiny_llama, {"method": "subspec", "num_speculative_tokens": 4},
-                  logprobs_mode="processed_logprobs")  # chains: vLLM's sampler handles it
+        engine_config(tiny_llama, spec, logprobs_mode="processed_logprobs")
+    engine_config(tiny_llama, spec, logprobs_mode="raw_logits")  # raw modes are reported
+
+
+def test_quantized_target_rejected_before_loading(tiny_llama):
+    """A quantized linear has no full-precision `weight` to build a substitute from: one clear
+    message at config time (vLLM resolves `quantization` before our hook runs)."""
+    assert engine_config(tiny_llama, None, quantization="fp8").model_config.quantization == "fp8"
+    with pytest.raises(SubSpecConfigError, match=r"the target is quantized \('fp8'\)"):
+        engine_config(tiny_llama, {"method": "subspec"}, quantization="fp8")
 
 
 def test_moe_architecture_rejected(tmp_path):

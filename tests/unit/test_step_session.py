@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.paged_kv import CpuVecLayout, logical_to_slots
@@ -38,10 +40,11 @@ class StubPasses:
 
     on_device = False
 
-    def __init__(self, roots: list[int], mask, max_model_len: int = 1000):
+    def __init__(self, roots: list[int], mask, max_model_len: int = 1000, max_rows: int = 1000):
         self.roots = torch.tensor(roots)
         self.batch_size = len(roots)
         self.max_model_len = max_model_len
+        self.max_rows = max_rows
         self.mask = mask
         self.calls = []
 
@@ -72,9 +75,14 @@ def target_greedy(token: int, n: int) -> list[int]:
     return out
 
 
-def greedy_sampling(batch: int):
-    return SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None,
-                           generators={}, max_num_logprobs=None)
+def greedy_sampling(batch: int) -> SamplingMetadata:
+    """vLLM's own metadata of a greedy batch with no request features."""
+    return SamplingMetadata(
+        temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None,
+        generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
 
 
 def kv_cache(num_blocks: int = 8):
@@ -89,11 +97,12 @@ def kv_cache(num_blocks: int = 8):
     return [(object.__new__(CPUAttentionBackendImpl), kv)], layout
 
 
-def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec: int):
+def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec: int,
+             chain_only: list[bool] | None = None):
     """propose -> prepare_verify -> verify_forward -> sample_and_walk -> compact."""
     passes = StubPasses(roots, session.mask)
     req_ids = [f"r{i}" for i in range(len(roots))]
-    drafts = session.propose(passes, req_ids, torch.tensor(bonus), num_spec)
+    drafts = session.propose(passes, req_ids, torch.tensor(bonus), num_spec, chain_only)
     drafts = drafts.tolist() if torch.is_tensor(drafts) else drafts
     # vLLM schedules the drafts as a chain after each root: query rows root, d_1, d_2, ...
     requests, starts, q = [], [], 0
@@ -114,7 +123,7 @@ def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec:
                                    greedy_sampling(len(roots)), topk_topp_sampler=None)
     kv_caches, layout = kv_cache()
     table = torch.arange(8, dtype=torch.int32).flip(0).reshape(2, 4)  # blocks out of order
-    session.compact(walk.moves, kv_caches, table)
+    session.compact(walk.moves, kv_caches, table, BS)
     return SimpleNamespace(passes=passes, drafts=drafts, positions=positions, plan=plan,
                            walk=walk, layout=layout, table=table)
 
@@ -265,18 +274,61 @@ def test_a_chain_step_drafts_argmax_tokens_without_trees():
             token = int(DRAFT[token].argmax())
             expect.append(token)
         assert row == expect
-    assert session.pending == {}  # vLLM's rejection sampler verifies chains
+    assert session.pending == {}  # verified as vLLM scheduled them (chain_tree)
 
 
-@pytest.mark.parametrize("limit", [30, 27])
-def test_drafting_stops_before_max_model_len(limit):
-    """Roots at 5 and 20, width 3: depth d's nodes need slots up to root + d * 3."""
+@pytest.mark.parametrize("limit, reached_b", [(30, 3), (27, 2), (20 + 3 + 1, 1)])
+def test_a_request_near_max_model_len_stops_alone(limit, reached_b):
+    """Roots at 5 and 20, width 3: depth d's nodes need slots up to root + d * 3 < limit. The
+    request near the limit stops there; the other drafts on to the full depth, and each hands
+    vLLM the nodes it drafted (a fixed shape's k * D only where every request got that deep)."""
     options = SubSpecOptions.from_dict({"tree_width": 3, "tree_depth": 4})
     session = StepSession.from_options(options)
     passes = StubPasses([5, 20], session.mask, max_model_len=limit)
     drafts = session.propose(passes, ["a", "b"], torch.tensor([3, 8]), 12)
-    levels = sum(c[0] == "level" for c in passes.calls)
-    assert 20 + (levels + 1) * 3 < limit <= 20 + (levels + 2) * 3
-    assert drafts.shape == (2, 12)  # a fixed shape keeps its size: dead nodes past the limit
-    assert all(t.parents[1 + 3 * (levels + 1):] == [-1] * (12 - 3 * (levels + 1))
-               for t in session.pending.values())
+    assert [len(d) for d in drafts] == [12, 3 * reached_b]
+    assert 20 + reached_b * 3 < limit <= 20 + (reached_b + 1) * 3
+    levels = [c[2] for c in passes.calls if c[0] == "level"]
+    assert levels == [None] * (reached_b - 1) + [[0]] * (4 - reached_b)  # b dropped out alone
+    assert drafts[0] == session.pending["a"].tokens[1:]
+    assert drafts[1] == session.pending["b"].tokens[1: 1 + 3 * reached_b]
+
+
+def test_a_level_wider_than_one_forward_is_drafted_in_groups():
+    """max_num_seqs x width can exceed vLLM's max_num_batched_tokens (the drafter's buffers):
+    a level of 5 requests x 3 nodes with room for 7 rows per forward runs as 2 + 2 + 1
+    requests, and drafts exactly what one wide pass drafts."""
+    options = SubSpecOptions.from_dict({"tree_width": 3, "tree_depth": 3})
+    roots, bonus = [5, 20, 9, 14, 30], torch.tensor([3, 8, 1, 4, 2])
+    wide, narrow = StepSession.from_options(options), StepSession.from_options(options)
+    one = StubPasses(roots, wide.mask)
+    split = StubPasses(roots, narrow.mask, max_rows=7)
+    assert torch.equal(wide.propose(one, list("abcde"), bonus, 9),
+                       narrow.propose(split, list("abcde"), bonus, 9))
+    assert [c[2] for c in one.calls if c[0] == "level"] == [None, None]
+    assert [c[2] for c in split.calls if c[0] == "level"] == [[0, 1], [2, 3], [4]] * 2
+    assert all(len(c[1]) <= 7 for c in split.calls)
+    # each group's tree rows are its own: prefix lengths of its requests, in order
+    assert [c[3] for c in split.calls if c[0] == "level"][:3] == [[5, 20], [9, 14], [30]]
+
+
+def test_a_fixed_shape_hands_vllm_its_tensor_when_every_request_is_full_depth():
+    options = SubSpecOptions.from_dict({"tree_width": 3, "tree_depth": 4})
+    session = StepSession.from_options(options)
+    drafts = session.propose(StubPasses([5, 20], session.mask), ["a", "b"],
+                             torch.tensor([3, 8]), 12)
+    assert isinstance(drafts, torch.Tensor) and drafts.shape == (2, 12)
+
+
+def test_chain_only_requests_get_their_trees_best_path():
+    """A request a tree is not exact for (structured outputs) is drafted with the batch and
+    handed to vLLM as the chain to its tree's best deepest node, verified as a chain."""
+    options = SubSpecOptions.from_dict({"tree_width": 3, "tree_depth": 4})
+    session = StepSession.from_options(options)
+    step = run_step(session, [5, 20], [3, 8], 12, chain_only=[False, True])
+    assert len(step.drafts[0]) == 12 and len(step.drafts[1]) == 4
+    assert step.plan is not None and [r.req_index for r in step.plan.rows] == [0]  # b: causal
+    assert step.walk.moves == [] or all(m.req_index == 0 for m in step.walk.moves)
+    for i, b in enumerate([3, 8]):  # both are the target's greedy tokens
+        assert emitted(step.walk, i) == target_greedy(b, len(emitted(step.walk, i)))
+    assert step.walk.paths[1] == list(range(1, len(step.walk.paths[1]) + 1))  # a chain prefix

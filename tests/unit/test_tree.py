@@ -96,12 +96,16 @@ def test_sharpening_keeps_order_and_concentrates_mass():
     assert sharp[0, 2] > plain[0, 2]
 
 
-def test_truncated_levels_are_unreachable():
-    tree = TreeBatch(TreeShape(width=2, depth=3), torch.tensor([1]))
-    tree.grow(log_q([[0.1, 0.5, 0.3, 0.05, 0.05]]))
-    tree.truncate()
-    assert tree.parents[0, 3:].tolist() == [-1] * 4
-    assert tree.mask[0, 3:].sum(-1).tolist() == [1] * 4
+def test_best_path_is_the_chain_to_the_best_deepest_node():
+    # depth 1: nodes 1 (tok 5), 2 (tok 6); depth 2: 3 (tok 8, parent 2), 4 (tok 7, parent 1):
+    # node 3 is the best at depth 2 (levels are kept best first), so the chain is 6, 8
+    tree = StoredTree([9, 5, 6, 8, 7], [-1, 0, 0, 2, 1], torch.ones(5, 5, dtype=torch.bool),
+                      width=2)
+    chain = tree.best_path(2)
+    assert (chain.tokens, chain.parents, chain.width) == ([9, 6, 8], [-1, 0, 1], 1)
+    assert torch.equal(chain.mask, torch.ones(3, 3, dtype=torch.bool).tril())
+    assert tree.best_path(1).tokens == [9, 5]
+    assert tree.best_path(0).tokens == [9]
 
 
 # root 0; depth 1: nodes 1 (tok 5), 2 (tok 6); depth 2: 3 (tok 7, parent 1), 4 (tok 8, parent 1)
@@ -121,11 +125,14 @@ def test_sample_then_match_walk(target, path):
     assert len(emitted) == len(path) + 1
 
 
-def test_path_tokens_follow_parents_from_the_root():
+def test_node_paths_follow_parents_from_the_root():
     tree = StoredTree(TOKENS, PARENTS, torch.ones(len(TOKENS), len(TOKENS), dtype=torch.bool))
-    assert tree.path_tokens(0) == []
-    assert tree.path_tokens(4) == [TOKENS[1], TOKENS[4]]
-    assert tree.path_tokens(2) == [TOKENS[2]]
+    paths = tree.node_paths(len(TOKENS))
+    assert paths[0] == []
+    assert paths[4] == [TOKENS[1], TOKENS[4]]
+    assert paths[2] == [TOKENS[2]]
+    assert StoredTree([9, 5, 7], [-1, 0, -1], torch.eye(3, dtype=torch.bool)).node_paths(3) \
+        == [[], [5], []]  # a dead node has no path
 
 
 def test_walk_ignores_dead_nodes():
@@ -200,7 +207,7 @@ def test_kv_compaction_moves_the_accepted_path(cache):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the reader
-    move_kv([(impl, kv)], block_table, root + torch.tensor(path), root + torch.arange(1, 4))
+    move_kv([(impl, kv)], block_table, BS, root + torch.tensor(path), root + torch.arange(1, 4))
     layout = CpuVecLayout(kv)
     logical = torch.arange(root, root + 4)
     k, v = layout.gather(block_table[logical // BS].long() * BS + logical % BS)
@@ -209,6 +216,32 @@ def test_kv_compaction_moves_the_accepted_path(cache):
     # untouched prefix
     k0, _ = layout.gather(block_table[torch.arange(5) // BS].long() * BS + torch.arange(5) % BS)
     assert torch.equal(k0, keys[:5])
+
+
+def test_kv_compaction_reads_a_manager_table_over_kernel_blocks():
+    """vLLM may view a cache in kernel blocks smaller than the KV manager's (ratio 2 here:
+    manager block m = kernel blocks 2m, 2m+1) while the runner's block table holds manager
+    blocks: compaction computes slots at the table's block size."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    impl = object.__new__(CPUAttentionBackendImpl)
+    manager_table = torch.tensor([2, 0, 1], dtype=torch.int32)  # 2 * BS tokens per block
+    kernel_table = torch.tensor([4, 5, 0, 1, 2, 3], dtype=torch.int32)
+    n, root, path = 60, 20, [2, 5, 13]  # accepted nodes at 22, 25, 33 (across manager blocks)
+    keys = torch.randn(n, KV_HEADS, D, dtype=torch.bfloat16)
+    values = torch.randn(n, KV_HEADS, D, dtype=torch.bfloat16)
+    logical = torch.arange(n)
+    kv = torch.zeros(6, KV_HEADS, BS, 2 * D, dtype=torch.bfloat16)
+    write_cache(kv, keys, values, kernel_table[logical // BS].long() * BS + logical % BS)
+    wrong = kv.clone()
+    src, dst = root + torch.tensor(path), root + torch.arange(1, 4)
+    move_kv([(impl, kv)], manager_table, 2 * BS, src, dst)
+    k, v = CpuVecLayout(kv).gather(kernel_table[logical // BS].long() * BS + logical % BS)
+    expect = [*range(root + 1)] + [root + a for a in path]
+    assert torch.equal(k[: root + 4], keys[expect]) and torch.equal(v[: root + 4], values[expect])
+    move_kv([(impl, wrong)], manager_table, BS, src, dst)  # the kernel size with that table
+    k, _ = CpuVecLayout(wrong).gather(kernel_table[logical // BS].long() * BS + logical % BS)
+    assert not torch.equal(k[: root + 4], keys[expect])
 
 
 def test_a_subset_pass_slices_every_per_request_field_vllm_slices():

@@ -66,7 +66,8 @@ def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None) -> Tree
     req_ids = list(trees)
     batch = SimpleNamespace(
         req_ids=req_ids, num_reqs=len(req_ids),
-        block_table=[SimpleNamespace(get_device_tensor=lambda n: block_table[:n])])
+        block_table=[SimpleNamespace(get_device_tensor=lambda n: block_table[:n],
+                                     block_size=BS)])
     runner = SimpleNamespace(input_batch=batch, sampler=Sampler())
     kv_caches = lambda: pytest.fail("no KV cache given")  # noqa: E731
     if kv is not None:

@@ -29,6 +29,7 @@ class DraftPasses(Protocol):
 
     batch_size: int
     max_model_len: int
+    max_rows: int  # the most tokens one forward takes (vLLM's buffers: max_num_batched_tokens)
     on_device: bool  # CUDA: a host read is a sync, timings need `synchronize`
 
     def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,12 +58,13 @@ class ChainDraft:
 class TreeDraft:
     tree: TreeBatch  # [B] trees, grown to `tree.grown` depths (dead nodes past `reached`)
     reached: list[int]  # [B] depths each request drafted
-    pass_rows: list[int]  # rows of each pass after the root's
+    pass_rows: list[int]  # rows of each level after the root's
     root_seconds: float | None  # the root pass's time (None on a device: not synced)
+    level_forwards: int  # forwards over those levels (more than levels where one was split)
 
     @property
     def passes(self) -> int:
-        return 1 + len(self.pass_rows)
+        return 1 + self.level_forwards
 
 
 def draft_chain(passes: DraftPasses, next_token_ids: torch.Tensor, depth: int) -> ChainDraft:
@@ -80,15 +82,14 @@ DraftingNext = Callable[[torch.Tensor, list[int]], list[int]]
 
 def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeShape,
                mask: TreeMask, temperature: float, drafting_next: DraftingNext | None = None,
-               pad_to_depth: bool = False,
                clock: Callable[[], float] = time.perf_counter) -> TreeDraft:
     """Grow this step's trees to `shape.depth` at most.
 
     drafting_next: asked every `check_every` depths (4 on a device, where each check reads the
     masses on the host: a sync; else every depth) which requests draft on; those left out stop
     (their later nodes stay dead), and drafting ends when none is left. None: all go on.
-    pad_to_depth: when the next level would pass max_model_len, mark the remaining depths dead
-    so the tree keeps its full shape (a fixed shape sends k * D tokens to vLLM); else stop."""
+    A request whose next level would pass max_model_len stops there too; the others go on
+    (`reached` says how deep each got)."""
     b, k = passes.batch_size, shape.width
     check_every = 4 if passes.on_device else 1
     start = clock()
@@ -100,7 +101,7 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
     active = list(range(b))  # the requests still drafting (host)
     rows = None  # their indices on the device; None while all are
     reached = [1] * b  # depths drafted, per request
-    pass_rows = []
+    pass_rows, level_forwards = [], 0
     for d in range(1, shape.depth):
         if drafting_next is not None and d % check_every == 0:
             going = drafting_next(tree.log_mass[:, : d + 1].cpu(), reached)
@@ -109,20 +110,41 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
             if len(going) < len(active):
                 active = going
                 rows = torch.tensor(active, device=root_pos.device)
-        # stop before any node of the next level would pass max_model_len
-        if max(roots[i] for i in active) + (d + 1) * k >= passes.max_model_len:
-            if pad_to_depth:
-                tree.truncate()
+        # a request stops before any node of its next level would pass max_model_len
+        fits = [i for i in active if roots[i] + (d + 1) * k < passes.max_model_len]
+        if not fits:
             break
-        level = shape.level(d)
-        # a chain's ancestor-only mask is the causal one: the backend's result stands
-        plan = TreePlan([TreeRows(j, j * k, roots[i], tree.mask[i, level, : level.stop])
-                         for j, i in enumerate(active)]) if k > 1 else None
-        with mask.active(plan):
-            logits = passes.level_pass(d, k, tree.frontier_tokens(rows).reshape(-1),
-                                       None if rows is None else active)
+        if len(fits) < len(active):
+            active = fits
+            rows = torch.tensor(active, device=root_pos.device)
+        logits, forwards = _level_logits(passes, tree, mask, d, roots, active, rows)
         tree.grow(sharpened_log_probs(logits, temperature).view(len(active), k, -1), rows)
         pass_rows.append(len(active) * k)
+        level_forwards += forwards
         for i in active:
             reached[i] = d + 1
-    return TreeDraft(tree, reached, pass_rows, root_seconds)
+    return TreeDraft(tree, reached, pass_rows, root_seconds, level_forwards)
+
+
+def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
+                  roots: list[int], active: list[int], rows: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, int]:
+    """The draft's logits at the k depth-d nodes of the `active` requests ([R * k, V]), and
+    the forwards that took: one, or one per group of requests when R * k rows would not fit
+    one forward (max_num_seqs x k can exceed vLLM's max_num_batched_tokens)."""
+    k, level = tree.shape.width, tree.shape.level(d)
+    per_pass = max(1, passes.max_rows // k)
+    groups = [active] if len(active) <= per_pass else \
+        [active[g: g + per_pass] for g in range(0, len(active), per_pass)]
+    logits = []
+    for group in groups:
+        whole = rows is None and len(group) == passes.batch_size  # every request, in order
+        group_rows = rows if len(groups) == 1 else \
+            None if whole else torch.tensor(group, device=tree.tokens.device)
+        # a chain's ancestor-only mask is the causal one: the backend's result stands
+        plan = TreePlan([TreeRows(j, j * k, roots[i], tree.mask[i, level, : level.stop])
+                         for j, i in enumerate(group)]) if k > 1 else None
+        with mask.active(plan):
+            logits.append(passes.level_pass(d, k, tree.frontier_tokens(group_rows).reshape(-1),
+                                            None if whole else group))
+    return (logits[0] if len(logits) == 1 else torch.cat(logits)), len(groups)

@@ -147,20 +147,23 @@ def check_cpu_layout(isa: str, head_dim: int, block_size: int, dtype: torch.dtyp
 
 
 def move_kv(kv_caches: list[tuple[object, torch.Tensor]], block_table_row: torch.Tensor,
-            src_logical: torch.Tensor, dst_logical: torch.Tensor) -> None:
+            table_block_size: int, src_logical: torch.Tensor, dst_logical: torch.Tensor) -> None:
     """Move K/V between logical positions of one request, in every layer (KV compaction).
 
     kv_caches: (attention impl, per-layer cache) pairs. Layers whose views alias the same bytes
-    (same data pointer, shape and strides) are moved once."""
+    (same data pointer, shape and strides) are moved once. block_table_row holds blocks of
+    `table_block_size` tokens (the runner's table: KV-manager blocks); a cache may be viewed in
+    smaller kernel blocks (vLLM splits a manager block into `ratio` kernel blocks,
+    kv_cache_interface.py 0.32.0 :396-414), and a flat slot number is the same in both views,
+    so slots are computed at the table's block size and each layout splits them at its own."""
     if src_logical.numel() == 0:
         return
+    src = logical_to_slots(block_table_row, src_logical, table_block_size)
+    dst = logical_to_slots(block_table_row, dst_logical, table_block_size)
     seen = set()
     for impl, kv in kv_caches:
         key = (kv.data_ptr(), tuple(kv.shape), kv.stride())
         if key in seen:
             continue
         seen.add(key)
-        layout = layout_for(impl, kv)
-        bs = layout.block_size
-        layout.move(logical_to_slots(block_table_row, src_logical, bs),
-                    logical_to_slots(block_table_row, dst_logical, bs))
+        layout_for(impl, kv).move(src, dst)

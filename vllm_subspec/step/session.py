@@ -102,10 +102,15 @@ class StepSession:
 
     # ---- 1. propose ----------------------------------------------------------------------
     def propose(self, passes: DraftPasses, req_ids: list[str], next_token_ids: torch.Tensor,
-                num_speculative_tokens: int) -> torch.Tensor | list[list[int]]:
+                num_speculative_tokens: int, chain_only: list[bool] | None = None
+                ) -> torch.Tensor | list[list[int]]:
         """This step's drafts for the B requests `req_ids`: [B, D] tokens (chain), [B, k*D]
         (fixed tree shape), or per-request lists (auto shape: empty ones when a plain step is
-        predicted faster)."""
+        predicted faster; any shape with `chain_only` requests).
+
+        chain_only: [B] requests a tree is not exact for (`node_constraints.chain_only_reason`):
+        they are drafted with the others, and handed to vLLM as their tree's best path, a
+        chain that vLLM's per-position rules (a grammar's masks) apply to exactly."""
         start = self.clock()
         if not self.options.is_tree:
             chain = draft_chain(passes, next_token_ids, num_speculative_tokens)
@@ -113,7 +118,8 @@ class StepSession:
         else:
             plan = self.tuner.plan_step(len(req_ids)) if self.tuner is not None \
                 else StepPlan(self.shape, adaptive=False, full_depth=True)
-            drafts, num_passes = self._draft_trees(passes, req_ids, next_token_ids, plan)
+            drafts, num_passes = self._draft_trees(passes, req_ids, next_token_ids, plan,
+                                                   chain_only or [False] * len(req_ids))
         passes.synchronize()  # the compute stream only: the offloader's copies keep going
         end = self.clock()
         self._clock_rest_of_step(start, end)
@@ -123,7 +129,7 @@ class StepSession:
         return drafts
 
     def _draft_trees(self, passes: DraftPasses, req_ids: list[str],
-                     next_token_ids: torch.Tensor, plan: StepPlan):
+                     next_token_ids: torch.Tensor, plan: StepPlan, chain_only: list[bool]):
         if plan.shape.depth == 0:  # plain decoding is predicted faster
             self.stats.plain_steps += 1
             return [[] for _ in req_ids], 0
@@ -133,30 +139,35 @@ class StepSession:
         draft = draft_tree(passes, next_token_ids, plan.shape, self.mask,
                            self.options.draft_temperature,
                            (lambda log_mass, reached: tuner.drafting_next(log_mass, k, reached))
-                           if adaptive else None,
-                           pad_to_depth=tuner is None, clock=self.clock)
-        if tuner is None:  # a fixed shape: k * D tokens each
-            self._keep_pending(req_ids, draft)
-            return draft.tree.tokens[:, 1:], draft.passes
+                           if adaptive else None, clock=self.clock)
+        if tuner is None:  # a fixed shape: k * D tokens each, unless cut short
+            pending = self._keep_pending(req_ids, draft, chain_only)
+            if not any(chain_only) and min(draft.reached) == plan.shape.depth:
+                return draft.tree.tokens[:, 1:], draft.passes
+            return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, draft.reached)], \
+                draft.passes
         log_mass = draft.tree.log_mass[:, : draft.tree.grown + 1].cpu()  # one host read
-        self._keep_pending(req_ids, draft, log_mass)
+        pending = self._keep_pending(req_ids, draft, chain_only, log_mass)
         passes.synchronize()
         tuner.observe_draft(k, len(req_ids), draft.pass_rows, self.clock() - start,
                             draft.root_seconds)
         depths = tuner.verify_depths(log_mass, k, draft.reached)
-        tokens = draft.tree.tokens[:, 1:].tolist()
-        return [row[: k * d] for row, d in zip(tokens, depths)], draft.passes
+        return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, depths)], draft.passes
 
-    def _keep_pending(self, req_ids: list[str], draft: TreeDraft,
-                      log_mass: torch.Tensor | None = None) -> None:
-        """log_mass: [B, grown + 1] per-depth log frontier mass on the host, for an auto
-        shape's tuner; None for a fixed shape."""
+    def _keep_pending(self, req_ids: list[str], draft: TreeDraft, chain_only: list[bool],
+                      log_mass: torch.Tensor | None = None) -> list[StoredTree]:
+        """Keep each request's tree (its best path, for `chain_only` ones) until it is
+        verified. log_mass: [B, grown + 1] per-depth log frontier mass on the host, for an
+        auto shape's tuner; None for a fixed shape."""
         tree = draft.tree
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         masses = log_mass.tolist() if log_mass is not None else [[] for _ in req_ids]
-        self.pending = {rid: StoredTree(tokens[i], parents[i], tree.mask[i], tree.shape.width,
-                                        masses[i])
-                        for i, rid in enumerate(req_ids)}
+        stored = [StoredTree(tokens[i], parents[i], tree.mask[i], tree.shape.width, masses[i])
+                  for i in range(len(req_ids))]
+        stored = [t.best_path(draft.reached[i]) if chain_only[i] else t
+                  for i, t in enumerate(stored)]
+        self.pending = dict(zip(req_ids, stored))
+        return stored
 
     def _clock_rest_of_step(self, start: float, end: float) -> None:
         """The tuner's "rest of a step": from the end of the last draft to this one's start,
@@ -210,6 +221,8 @@ class StepSession:
         drafted = [(v, len(path), n) for v, path, n in zip(trees, walk.paths, num_draft)
                    if v is not None and v.compact]
         self.stats.verified_trees += len(drafted)
+        # the tuner learns from the trees of its shape (a chain-only request's best path is not)
+        drafted = [(v, a, n) for v, a, n in drafted if v.tree.level_log_mass]
         if self.tuner is not None:
             for v, accepted, n in drafted:
                 self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, accepted,
@@ -228,13 +241,13 @@ class StepSession:
     # ---- 5. compact ----------------------------------------------------------------------
     @staticmethod
     def compact(moves: list[KvMove], kv_caches: list[tuple[object, torch.Tensor]],
-                block_table: torch.Tensor) -> None:
+                block_table: torch.Tensor, block_size: int) -> None:
         """Move each accepted path's KV (slots L + a_j) to slots L + j, j = 1..m, in every
-        layer. kv_caches: (attention impl, per-layer cache); block_table: [B, blocks], the
-        one this step's attention metadata was built from."""
+        layer. kv_caches: (attention impl, per-layer cache); block_table: [B, blocks] of
+        `block_size` tokens, the runner's table this step's slots were computed from."""
         for move in moves:
             row = block_table[move.req_index]
             src = move.root + torch.tensor(move.path, dtype=torch.int64, device=row.device)
             dst = move.root + torch.arange(1, len(move.path) + 1, dtype=torch.int64,
                                            device=row.device)
-            move_kv(kv_caches, row, src, dst)
+            move_kv(kv_caches, row, block_size, src, dst)

@@ -91,14 +91,6 @@ class TreeBatch:
         self.mask[sel, level] = masks
         self.grown = d
 
-    def truncate(self) -> None:
-        """Leave the remaining depths as dead nodes (no parent: never accepted)."""
-        for d in range(self.grown + 1, self.shape.depth + 1):
-            ids = torch.arange(self.shape.level(d).start, self.shape.level(d).stop,
-                               device=self.mask.device)
-            self.mask[:, ids, ids] = True
-        self.grown = self.shape.depth
-
     def frontier_tokens(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[R, k] tokens at the deepest grown level of the requests in `rows` (default all)."""
         return self.tokens[slice(None) if rows is None else rows, self.shape.level(self.grown)]
@@ -159,11 +151,24 @@ class StoredTree:
             out.append(0 if p < 0 else out[p] + 1)
         return out
 
-    def path_tokens(self, node: int) -> list[int]:
-        """Tokens from the root (exclusive) down to `node` (inclusive): what a request would
-        have generated after its last verified token if the walk reached `node`."""
-        out = []
+    def best_path(self, reached: int) -> StoredTree:
+        """The chain from the root to the best-scored node at depth `reached` (levels are
+        kept best first, so node level(reached).start), as a tree of width 1."""
+        node = TreeShape(self.width, reached).level(reached).start if reached else 0
+        path = []
         while node > 0:
-            out.append(self.tokens[node])
+            path.append(self.tokens[node])
             node = self.parents[node]
-        return out[::-1]
+        m = len(path)
+        return StoredTree([self.tokens[0]] + path[::-1], list(range(-1, m)),
+                          torch.ones(m + 1, m + 1, dtype=torch.bool).tril(), 1)
+
+    def node_paths(self, n: int) -> list[list[int]]:
+        """For nodes 0 .. n-1, the tokens from the root (exclusive) down to the node
+        (inclusive): what the request would have generated after its last verified token if
+        the walk reached that node. Dead nodes (no parent) get none."""
+        out: list[list[int]] = []
+        for i in range(n):  # parents precede their children
+            p = self.parents[i]
+            out.append([] if p < 0 else out[p] + [self.tokens[i]])
+        return out

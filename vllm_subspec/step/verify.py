@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.sample.ops.penalties import apply_all_penalties
 
+from vllm_subspec.step.node_constraints import constrain
 from vllm_subspec.step.tree import StoredTree, accepted_path
 
 PLACEHOLDER = -1
@@ -74,10 +74,13 @@ def sample_then_match(trees: list[VerifiedTree | None], num_draft: list[int],
     trees: [B] the verifying tree of each request (None: no drafts); num_draft: [B] its
     scheduled nodes; logits: [sum(num_draft) + B, V] the target's (root row first)."""
     rows = torch.tensor([n + 1 for n in num_draft])
-    constrained = constrain(logits, rows, trees, num_draft, sampling_metadata)
-    # node depths, needed only where a generator's draws are replayed per depth
-    seeded_depths = {r: trees[r].tree.depths()[: num_draft[r] + 1] if trees[r] else [0]
-                     for r in sampling_metadata.generators}
+    depths = [v.tree.depths()[: n + 1] if v is not None else [0] for v, n in zip(trees, num_draft)]
+    row_request = torch.repeat_interleave(torch.arange(len(num_draft)), rows)
+    constrained = constrain(logits, row_request, [d for ds in depths for d in ds],
+                            lambda: [p for v, n in zip(trees, num_draft)
+                                     for p in (v.tree.node_paths(n + 1) if v else [[]])],
+                            sampling_metadata)
+    seeded_depths = {r: depths[r] for r in sampling_metadata.generators}
     draws, seeded = draw_target_tokens(constrained, rows, seeded_depths, sampling_metadata,
                                        topk_topp_sampler)
     draws = draws.tolist()
@@ -100,33 +103,6 @@ def sample_then_match(trees: list[VerifiedTree | None], num_draft: list[int],
         if v is not None and v.compact and path != list(range(1, len(path) + 1)):
             moves.append(KvMove(v.req_index, v.root, path))
     return WalkResult(out, drawn_at, paths, moves)
-
-
-def constrain(logits: torch.Tensor, rows: torch.Tensor, trees: list[VerifiedTree | None],
-              num_draft: list[int], sampling_metadata) -> torch.Tensor:
-    """What vLLM's rejection sampler applies to a chain's target logits, per tree node:
-    repetition/frequency/presence penalties over the request's output plus the node's path, and
-    allowed_token_ids. (Bad words and min_tokens are not applied to tree nodes.)
-
-    logits: [sum(rows), V]; rows: [num_reqs] logits rows per request (its nodes, root first)."""
-    allowed = sampling_metadata.allowed_token_ids_mask
-    if sampling_metadata.no_penalties and allowed is None:
-        return logits
-    row_request = torch.repeat_interleave(torch.arange(len(num_draft)), rows).to(logits.device)
-    logits = logits.to(torch.float32, copy=True)  # the raw logits stay for logprobs
-    if not sampling_metadata.no_penalties:
-        histories = []
-        for i, (v, n) in enumerate(zip(trees, num_draft)):
-            done = list(sampling_metadata.output_token_ids[i])
-            histories += [done + (v.tree.path_tokens(r) if v else []) for r in range(n + 1)]
-        logits = apply_all_penalties(
-            logits, sampling_metadata.prompt_token_ids[row_request],
-            sampling_metadata.presence_penalties[row_request],
-            sampling_metadata.frequency_penalties[row_request],
-            sampling_metadata.repetition_penalties[row_request], histories)
-    if allowed is not None:
-        logits.masked_fill_(allowed[row_request], float("-inf"))
-    return logits
 
 
 class SeededDraws:

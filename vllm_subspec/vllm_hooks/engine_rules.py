@@ -61,11 +61,18 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
         target_parallel_config.tensor_parallel_size,
         target_parallel_config.pipeline_parallel_size,
     )
-    logprobs_mode = str(target_model_config.logprobs_mode)
-    if options.is_tree and logprobs_mode.startswith("processed"):
+    quantization = getattr(target_model_config, "quantization", None)
+    if quantization is not None:
         raise SubSpecConfigError(
-            f"logprobs_mode {logprobs_mode!r} is not supported with tree drafting "
-            "(raw_logprobs and raw_logits are); use tree_width=1")
+            f"the target is quantized ({quantization!r}); SubSpec builds its substitutes from "
+            "full-precision linear weights (bf16/fp16/fp32), which a quantized layer does not "
+            "keep. Serve the unquantized checkpoint, or drop --speculative-config")
+    logprobs_mode = str(target_model_config.logprobs_mode)
+    if logprobs_mode.startswith("processed"):
+        raise SubSpecConfigError(
+            f"logprobs_mode {logprobs_mode!r} is not supported by SubSpec (raw_logprobs and "
+            "raw_logits are): its verify reports the target's raw logprobs of each emitted "
+            "token, as a plain engine's default mode does")
     import vllm.envs as envs
 
     if envs.VLLM_USE_V2_MODEL_RUNNER:
@@ -93,9 +100,9 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
     if not platform.is_cuda_alike():
         return  # the CPU platform: no async scheduling, its own attention backend
     _require_offload(engine_args, options)
+    _no_async_scheduling(engine_args)
     if not options.is_tree:
         return
-    _no_async_scheduling(engine_args)
     _pin_flash_attention(engine_args, target_model_config, platform)
     engine_args.compilation_config.cudagraph_mode = tree_cudagraph_mode(
         engine_args.compilation_config.cudagraph_mode)
@@ -116,13 +123,15 @@ def _require_offload(engine_args, options: SubSpecOptions) -> None:
 
 
 def _no_async_scheduling(engine_args) -> None:
+    """Every shape is verified by sample-then-match (`TreeVerifier`), which reads the scheduled
+    drafts and their counts on the host: async scheduling makes both placeholders."""
     if engine_args.async_scheduling:
         raise SubSpecConfigError(
-            "async scheduling is not supported with tree drafting (the tree verify needs the "
-            "corrected token counts); drop --async-scheduling or use tree_width=1")
+            "async scheduling is not supported by SubSpec (its verify reads the scheduled "
+            "draft tokens on the host); drop --async-scheduling")
     if engine_args.async_scheduling is None:
-        logger.info("vllm-subspec: async scheduling off for tree drafting (the tree verify "
-                    "reads the host-side token counts, which async scheduling makes optimistic)")
+        logger.info("vllm-subspec: async scheduling off (the verify reads the scheduled draft "
+                    "tokens on the host, which async scheduling leaves as placeholders)")
     engine_args.async_scheduling = False
 
 

@@ -1,8 +1,10 @@
 """Where SubSpec's objects are made and wired, once per model runner (the composition root).
 
 One `StepSession` per runner, shared by the drafter (`SubSpecProposer`, in the runner's
-`drafter` slot) and, for trees, the verifier (`TreeVerifier`, in the runner's
-`rejection_sampler` slot: trees are verified by sample-then-match, not vLLM's chain sampler).
+`drafter` slot) and the verifier (`TreeVerifier`, in the runner's `rejection_sampler` slot):
+every shape, a chain included, is verified by sample-then-match, not vLLM's rejection sampler,
+so every emitted token is the target's own draw under plain decoding's rules (seeded output
+included).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ def install_subspec(runner, vllm_config, device, options: SubSpecOptions) -> Non
     check_final_config(vllm_config, options, current_platform)
     session = StepSession.from_options(options)
     runner.drafter = SubSpecProposer(vllm_config, device, runner, session)
-    if options.is_tree:
-        runner.rejection_sampler = TreeVerifier(runner, session, runner.drafter.kv_caches)
+    runner.rejection_sampler = TreeVerifier(runner, session, runner.drafter.kv_caches)
 
 
 def tree_verifier_of(runner):

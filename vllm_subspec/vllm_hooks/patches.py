@@ -246,6 +246,32 @@ def _patch_cpu_attention_isa() -> None:
     _wrap(CPUAttentionMetadataBuilder, "__init__", make, "cpu_attention_isa")
 
 
+# ---- 9. tree drafting near max_model_len: per request, not per batch ---------------------
+# Target: vllm.v1.worker.gpu_model_runner.GPUModelRunner._input_fits_in_drafter (0.32.0 :4288,
+# 0.33.0 :4254). vLLM skips the drafter for the whole batch once any request is within
+# num_speculative_tokens (k * D = 288 for the default tree) of max_model_len, and schedules
+# that many zero placeholders per request (:4454-4465). A tree stops each request at its own
+# limit (step/draft.py `draft_tree`: no pass runs past it), so a tree engine's drafter runs
+# whenever there is a batch. Chains keep vLLM's rule (k tokens): their passes past the limit
+# would rely on vLLM's clamped positions, which changed a near-tie token in the context-limit
+# test.
+def _patch_drafting_near_the_limit() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_subspec.vllm_hooks.install import tree_verifier_of
+
+    def make(original):
+        def _input_fits_in_drafter(self, common_attn_metadata):
+            verifier = tree_verifier_of(self)
+            if verifier is None or not verifier.session.options.is_tree:
+                return original(self, common_attn_metadata)
+            return common_attn_metadata is not None
+
+        return _input_fits_in_drafter
+
+    _wrap(GPUModelRunner, "_input_fits_in_drafter", make, "drafting_near_the_limit")
+
+
 def vllm_version_supported(version: str) -> bool:
     try:
         major, minor = (int(p) for p in version.split(".")[:2])
@@ -277,5 +303,6 @@ def apply_all() -> bool:
     _patch_attention_backends()
     _patch_cpu_expand()
     _patch_cpu_attention_isa()
+    _patch_drafting_near_the_limit()
     logger.debug("vllm-subspec patches applied in pid %d", os.getpid())
     return True

@@ -30,6 +30,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_subspec.config import options_from_vllm_config
 from vllm_subspec.draft_model.model import DraftModel, SubstituteSet, decoder_layers
+from vllm_subspec.step.node_constraints import chain_only_reason
 from vllm_subspec.step.paged_kv import logical_to_slots
 from vllm_subspec.step.session import StepSession
 from vllm_subspec.step.tree import TreeShape, widest_level
@@ -132,7 +133,9 @@ class SubSpecProposer(DraftModelProposer):
         chain: the argmax). What the attention rows of a tree pass need is not included: they
         read the KV cache, which does not exist yet."""
         k = max(self.options.widths)
-        batch = self.vllm_config.scheduler_config.max_num_seqs
+        # a level pass holds at most max_num_tokens rows (step/draft.py splits wider ones)
+        batch = min(self.vllm_config.scheduler_config.max_num_seqs,
+                    max(1, self.max_num_tokens // k))
         hidden = torch.rand(batch * k, hidden_size, dtype=dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         if k > 1:  # a chain's argmax adds nothing beyond its logits
@@ -163,9 +166,11 @@ class SubSpecProposer(DraftModelProposer):
                                                        num_rejected_tokens_gpu)
         if num_speculative_tokens == 0:
             return torch.empty(batch_size, 0, dtype=torch.int64, device=next_token_ids.device)
-        return self.session.propose(VllmDraftPasses(self, cad, last_verified),
-                                    self.runner.input_batch.req_ids[:batch_size],
-                                    next_token_ids, num_speculative_tokens)
+        req_ids = self.runner.input_batch.req_ids[:batch_size]
+        chain_only = [chain_only_reason(self.runner.requests[r].sampling_params) is not None
+                      for r in req_ids]
+        return self.session.propose(VllmDraftPasses(self, cad, last_verified), req_ids,
+                                    next_token_ids, num_speculative_tokens, chain_only)
 
     def bonus_token_metadata(self, cad, num_rejected_tokens_gpu):
         """Decode-shaped metadata whose seq_lens end at the last verified token.
@@ -273,6 +278,7 @@ class VllmDraftPasses:
         self.positions = last_verified  # [B] of the last pass's tokens
         self.batch_size = cad.batch_size()
         self.max_model_len = proposer.max_model_len
+        self.max_rows = proposer.max_num_tokens  # its input/position/slot buffers' length
         self.on_device = cad.seq_lens.is_cuda
         self._root: torch.Tensor | None = None  # [B] L
         self._active: tuple[list[int] | None, torch.Tensor | None] = (None, None)

@@ -46,8 +46,11 @@ class TreeVerifier:
                                             sampling_metadata,
                                             self.runner.sampler.topk_topp_sampler)
         if walk.moves:
-            block_table = batch.block_table[0].get_device_tensor(batch.num_reqs)
-            self.session.compact(walk.moves, self.kv_caches(), block_table)
+            # the runner's table holds KV-manager blocks of its own block size, which a
+            # backend may split into smaller kernel blocks (block_table.py 0.32.0 :49-197)
+            table = batch.block_table[0]
+            self.session.compact(walk.moves, self.kv_caches(),
+                                 table.get_device_tensor(batch.num_reqs), table.block_size)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, walk.drawn_at, walk.tokens,
