@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
-exec python3 -m pytest -v -p no:cacheprovider -n "${SUBSPEC_TEST_WORKERS:-2}" --dist loadfile \
+exec python3 -m pytest -v --durations=15 -p no:cacheprovider -n "${SUBSPEC_TEST_WORKERS:-2}" --dist loadfile \
   --no-loadscope-reorder \
   tests "$@"

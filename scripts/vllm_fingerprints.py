@@ -46,6 +46,7 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",  # 7
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",  # 8
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",  # 9
+    "vllm.v1.engine.input_processor:InputProcessor._validate_params",  # 10
     # docs/gpu.md table
     "vllm.engine.arg_utils:EngineArgs.create_engine_config",  # calls patch 1 before the configs
     "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",  # calls patch 3
@@ -133,6 +134,8 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
      f"{_PATCH} #9)", "True whenever there is a batch (SubSpec trees: drafting stops per "
      "request)"),
+    ("vllm.v1.engine.input_processor:InputProcessor._validate_params", f"{_PATCH} #10)",
+     "the original, then node_constraints.refusal (SubSpec engines)"),
     ("vllm.model_executor.offloader.prefetch:PrefetchOffloader._start_prefetch",
      "replaced on the offloader instance (vllm_hooks/prefetch_overlap.py)",
      "PrefetchOverlap._start_prefetch, calling the original"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from subspec_testing.plain_reference import PlainRun, output_details
 
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 SAMPLED = dict(temperature=0.8, top_p=0.95)
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},
                                              "age": {"type": "integer"}},
@@ -30,6 +30,10 @@ class Case:
     changes_tokens: bool = True  # False: it adds completions or logprobs instead
     base: dict = field(default_factory=dict)  # fields of both the bound and unbound request
     greedy: bool = True  # False: sampled only (vLLM refuses n > 1 for greedy requests)
+    seeded_question: str | None = None  # where the seeded request needs another prompt to bind
+
+    def question_for(self, sampled: bool) -> str:
+        return self.seeded_question if sampled and self.seeded_question else self.question
 
 
 def cases(tokenizer) -> list[Case]:
@@ -40,13 +44,15 @@ def cases(tokenizer) -> list[Case]:
 
     digits = sorted({t for d in "0123456789" for t in ids(f" {d}") + ids(d)} | set(ids(",")))
     return [
-        Case("min_tokens", "Say hi.", {"min_tokens": MAX_TOKENS}),
+        Case("min_tokens", "Say hi.", {"min_tokens": MAX_TOKENS},
+             seeded_question="Answer with one word: is fire hot?"),
         Case("bad_words", "Write one sentence about a cat and a dog.",
              {"bad_words": [" cat", " dog", " the"]}),
         Case("stop", "Name three fruits and say why each is healthy.", {"stop": ["."]}),
         Case("stop_token_ids", "Name three primary colors.",
              {"stop_token_ids": [ids(t)[0] for t in (",", ".", " and")]}),
-        Case("ignore_eos", "Say hi.", {"ignore_eos": True}),
+        Case("ignore_eos", "Say hi.", {"ignore_eos": True},
+             seeded_question="Answer with one word: is ice cold?"),
         Case("allowed_token_ids", "What year did the first person walk on the moon?",
              {"allowed_token_ids": digits}),
         Case("penalties", "List ten animals.",
@@ -95,13 +101,17 @@ def labels(all_cases: list[Case]) -> list[str]:
     return [f"{c.name}/{'seeded' if s else 'greedy'}" for c, s in matrix(all_cases)]
 
 
-def matrix_runs(prompts: dict[str, str], all_cases: list[Case]) -> dict[str, PlainRun]:
+def questions(all_cases: list[Case]) -> list[str]:
+    """The user question of each request of the matrix, in batch order."""
+    return [c.question_for(s) for c, s in matrix(all_cases)]
+
+
+def matrix_runs(prompts: list[str], all_cases: list[Case]) -> dict[str, PlainRun]:
     """The plain runs of the matrix: 'bound' (each request with its feature) and 'unbound'.
-    prompts: each case's prompt, by case name."""
+    prompts: the chat prompts of `questions(all_cases)`."""
     rows = matrix(all_cases)
-    return {name: PlainRun([prompts[c.name] for c, _ in rows],
-                           [params(c, s, i, bound=name == "bound")
-                            for i, (c, s) in enumerate(rows)])
+    return {name: PlainRun(list(prompts), [params(c, s, i, bound=name == "bound")
+                                           for i, (c, s) in enumerate(rows)])
             for name in ("bound", "unbound")}
 
 

@@ -143,8 +143,7 @@ def feature_matrix(smollm2, plain_references):
     from subspec_testing.assets import chat_prompts
 
     cases = rf.cases(AutoTokenizer.from_pretrained(smollm2))
-    prompts = dict(zip([c.name for c in cases], chat_prompts(smollm2, [c.question for c in cases])))
-    runs = rf.matrix_runs(prompts, cases)
+    runs = rf.matrix_runs(chat_prompts(smollm2, rf.questions(cases)), cases)
     plain = plain_references.get(smollm2, dict(dtype="float32"), runs)
     rf.assert_features_bind(cases, plain["bound"], plain["unbound"])
     return cases, runs["bound"], plain["bound"]

@@ -51,7 +51,7 @@ def _check_tree_run(llm, prompts, plain, depth: int, penalized: bool) -> None:
     result = timed_generate(llm, prompts, GREEDY)
     plain_greedy, plain_penalized = plain
     assert all(len(t) == NEW_TOKENS for t in result.token_ids)
-    assert_identical(result.token_ids, plain_greedy.token_ids)
+    assert_identical(result.token_ids, plain_greedy.token_ids[: len(prompts)])
     if penalized:
         run = timed_generate(llm, prompts[:NUM_PENALIZED], PENALIZED)
         unpenalized = [t[:len(p)] for t, p in zip(plain_greedy.token_ids, run.token_ids)]
@@ -69,8 +69,8 @@ def _check_tree_run(llm, prompts, plain, depth: int, penalized: bool) -> None:
 def test_deep_tree_greedy_identical(smollm2, prompts, plain):
     llm = make_llm(smollm2, {"method": "subspec", "tree_width": 6, "tree_depth": 16,
                              "substitute_layers": "all"}, **FP32)
-    try:
-        _check_tree_run(llm, prompts, plain, 16, penalized=False)
+    try:  # 4 of the prompts: depth 8's test and the auto shape's run all 10
+        _check_tree_run(llm, prompts[:4], plain, 16, penalized=False)
     finally:
         shutdown(llm)
 

@@ -10,8 +10,6 @@ Tree (k = 2, D = 2; test_verify.py's): node tokens / parents
  3:7  4:8
 """
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -20,7 +18,7 @@ from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_subspec.step.node_constraints import chain_only_reason, constrain
+from vllm_subspec.step.node_constraints import chain_only_reason, constrain, refusal
 from vllm_subspec.step.tree import StoredTree
 from vllm_subspec.step.verify import VerifiedTree, sample_then_match
 
@@ -154,6 +152,24 @@ def test_requests_a_tree_is_not_exact_for_draft_chains():
     assert chain_only_reason(SamplingParams(min_tokens=5, bad_words=["x"])) is None
     json = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
     assert chain_only_reason(json) == "structured outputs"
-    assert chain_only_reason(SimpleNamespace(structured_outputs=None,
-                                             thinking_token_budget=10)) == \
-        "thinking_token_budget"
+
+
+def test_a_thinking_budget_is_refused_per_request():
+    """vLLM applies it only in its own samplers, which the verify replaces: refused, clearly."""
+    assert refusal(SamplingParams(min_tokens=5, bad_words=["x"])) is None
+    reason = refusal(SamplingParams(thinking_token_budget=10))
+    assert reason.startswith("thinking_token_budget is not supported")
+
+
+def test_rows_stay_aligned_after_a_request_without_a_tree():
+    """A request with scheduled drafts but no tree (only its root row is drawn from) still
+    takes one depth and path per logits row, so the next request's rules land on its rows."""
+    first = logits_with(best=[3, 3, 3, 3, 3], runner_up=[1, 1, 1, 1, 1])[:3]
+    second = logits_with(best=[5, 8, 8, 1, 1], runner_up=[6, 7, 2, 1, 1])
+    meta = metadata([], bad_words=[[5, 8]])
+    meta.output_token_ids = [[], []]
+    meta.bad_words_token_ids = {1: [[5, 8]]}
+    result = sample_then_match([None, VerifiedTree(stored(), 40, 1, compact=False)], [2, 4],
+                               torch.cat([first, second]), meta, None)
+    assert [t for t in result.tokens[0].tolist() if t >= 0] == [3]
+    assert [t for t in result.tokens[1].tolist() if t >= 0] == [5, 7, 1]  # "5 8" banned

@@ -44,6 +44,8 @@ WRAP_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",),
     ("GPUModelRunner", "_input_fits_in_drafter"): (
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",),
+    ("InputProcessor", "_validate_params"): (
+        "vllm.v1.engine.input_processor:InputProcessor._validate_params",),
     ("impl", "forward"): (
         "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
         "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",),

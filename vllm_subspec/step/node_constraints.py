@@ -17,7 +17,7 @@ Per node, in the order vLLM's Sampler applies them to a plain step (sampler.py 0
 Structured-output grammars are applied by vLLM before the verifier runs, one mask per scheduled
 position in chain order (the grammar state is the scheduler's). That is exact for a chain, not
 for a tree node whose parent is not the previous position: such requests draft a chain
-(`chain_only_reason`). vLLM's chain rejection sampler applies min_tokens at the bonus row from
+(`chain_only_reason`). A thinking budget is refused per request (`refusal`). vLLM's chain rejection sampler applies min_tokens at the bonus row from
 the committed output alone (sampler.py :404-405); here every row, the bonus included, counts its
 own path, as plain decoding would.
 """
@@ -36,12 +36,22 @@ def chain_only_reason(params) -> str | None:
     """Why a request must draft a chain, not a tree (None: a tree is exact for it).
 
     params: its SamplingParams. A grammar's masks are computed by vLLM's scheduler along the
-    scheduled drafts as a chain (structured_output/__init__.py `grammar_bitmask`), and the
-    thinking budget's state advances along them as a chain too (thinking_budget_state.py)."""
+    scheduled drafts as a chain (structured_output/__init__.py `grammar_bitmask`) and applied to
+    the logits before the verifier runs: exact for a chain's positions only."""
     if getattr(params, "structured_outputs", None) is not None:
         return "structured outputs"
+    return None
+
+
+def refusal(params) -> str | None:
+    """Why SubSpec refuses a request vLLM would accept with speculative decoding (None: it
+    does not). `thinking_token_budget`'s forced end of thinking is applied by vLLM's samplers
+    (sampler.py 0.32.0 :408-420, rejection_sampler.py :355-361), which SubSpec's verify
+    replaces, and nothing here applies it yet."""
     if getattr(params, "thinking_token_budget", None) is not None:
-        return "thinking_token_budget"
+        return ("thinking_token_budget is not supported with speculative method 'subspec' "
+                "(its forced end of thinking would not be applied); drop it, or serve "
+                "without --speculative-config")
     return None
 
 

@@ -74,11 +74,14 @@ def sample_then_match(trees: list[VerifiedTree | None], num_draft: list[int],
     trees: [B] the verifying tree of each request (None: no drafts); num_draft: [B] its
     scheduled nodes; logits: [sum(num_draft) + B, V] the target's (root row first)."""
     rows = torch.tensor([n + 1 for n in num_draft])
-    depths = [v.tree.depths()[: n + 1] if v is not None else [0] for v, n in zip(trees, num_draft)]
+    # one depth and path per logits row (a request without a tree: only its root row is
+    # drawn from, the others are placeholders)
+    depths = [v.tree.depths()[: n + 1] if v is not None else [0] * (n + 1)
+              for v, n in zip(trees, num_draft)]
     row_request = torch.repeat_interleave(torch.arange(len(num_draft)), rows)
     constrained = constrain(logits, row_request, [d for ds in depths for d in ds],
                             lambda: [p for v, n in zip(trees, num_draft)
-                                     for p in (v.tree.node_paths(n + 1) if v else [[]])],
+                                     for p in (v.tree.node_paths(n + 1) if v else [[]] * (n + 1))],
                             sampling_metadata)
     seeded_depths = {r: depths[r] for r in sampling_metadata.generators}
     draws, seeded = draw_target_tokens(constrained, rows, seeded_depths, sampling_metadata,

@@ -272,6 +272,31 @@ def _patch_drafting_near_the_limit() -> None:
     _wrap(GPUModelRunner, "_input_fits_in_drafter", make, "drafting_near_the_limit")
 
 
+# ---- 10. request features SubSpec refuses: one clear error per request --------------------
+# Target: vllm.v1.engine.input_processor.InputProcessor._validate_params (0.32.0 :138, 0.33.0
+# :138), where vLLM refuses min_p and logit_bias for every speculative method (through
+# SamplingParams.verify). The rule is node_constraints.refusal.
+def _patch_request_refusals() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    def make(original):
+        def _validate_params(self, params, *args, **kwargs):
+            result = original(self, params, *args, **kwargs)
+            if options_from_vllm_config(self.vllm_config) is not None:
+                from vllm.exceptions import VLLMValidationError
+
+                from vllm_subspec.step.node_constraints import refusal
+
+                reason = refusal(params)
+                if reason is not None:
+                    raise VLLMValidationError(reason)
+            return result
+
+        return _validate_params
+
+    _wrap(InputProcessor, "_validate_params", make, "request_refusals")
+
+
 def vllm_version_supported(version: str) -> bool:
     try:
         major, minor = (int(p) for p in version.split(".")[:2])
@@ -304,5 +329,6 @@ def apply_all() -> bool:
     _patch_cpu_expand()
     _patch_cpu_attention_isa()
     _patch_drafting_near_the_limit()
+    _patch_request_refusals()
     logger.debug("vllm-subspec patches applied in pid %d", os.getpid())
     return True
