@@ -11,7 +11,7 @@ promises: n completions, logprobs).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from subspec_testing.plain_reference import PlainRun, output_details
 
@@ -28,7 +28,6 @@ class Case:
     question: str
     feature: dict  # SamplingParams fields that make the feature
     changes_tokens: bool = True  # False: it adds completions or logprobs instead
-    base: dict = field(default_factory=dict)  # fields of both the bound and unbound request
     greedy: bool = True  # False: sampled only (vLLM refuses n > 1 for greedy requests)
     seeded_question: str | None = None  # where the seeded request needs another prompt to bind
 
@@ -88,7 +87,7 @@ def params(case: Case, sampled: bool, index: int, bound: bool = True):
     from vllm import SamplingParams
 
     mode = dict(SAMPLED, seed=1000 + index) if sampled else dict(temperature=0.0)
-    return SamplingParams(max_tokens=MAX_TOKENS, **mode, **case.base,
+    return SamplingParams(max_tokens=MAX_TOKENS, **mode,
                           **(case.feature if bound else {}))
 
 

@@ -138,13 +138,14 @@ def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
         [active[g: g + per_pass] for g in range(0, len(active), per_pass)]
     logits = []
     for group in groups:
-        whole = rows is None and len(group) == passes.batch_size  # every request, in order
-        group_rows = rows if len(groups) == 1 else \
-            None if whole else torch.tensor(group, device=tree.tokens.device)
+        if len(groups) == 1:  # the active requests as they are (rows None: all of them)
+            group_rows, subset = rows, None if rows is None else group
+        else:
+            group_rows, subset = torch.tensor(group, device=tree.tokens.device), group
         # a chain's ancestor-only mask is the causal one: the backend's result stands
         plan = TreePlan([TreeRows(j, j * k, roots[i], tree.mask[i, level, : level.stop])
                          for j, i in enumerate(group)]) if k > 1 else None
         with mask.active(plan):
             logits.append(passes.level_pass(d, k, tree.frontier_tokens(group_rows).reshape(-1),
-                                            None if whole else group))
+                                            subset))
     return (logits[0] if len(logits) == 1 else torch.cat(logits)), len(groups)

@@ -17,9 +17,10 @@ Per node, in the order vLLM's Sampler applies them to a plain step (sampler.py 0
 Structured-output grammars are applied by vLLM before the verifier runs, one mask per scheduled
 position in chain order (the grammar state is the scheduler's). That is exact for a chain, not
 for a tree node whose parent is not the previous position: such requests draft a chain
-(`chain_only_reason`). A thinking budget is refused per request (`refusal`). vLLM's chain rejection sampler applies min_tokens at the bonus row from
-the committed output alone (sampler.py :404-405); here every row, the bonus included, counts its
-own path, as plain decoding would.
+(`chain_only_reason`). A thinking budget is refused per request (`refusal`). vLLM's chain
+rejection sampler applies min_tokens at the bonus row from the committed output alone
+(sampler.py :404-405); here every row, the bonus included, counts its own path, as plain
+decoding would.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def constrain(logits: torch.Tensor, row_request: torch.Tensor, depths: Sequence[
 
     logits: [R, V] one row per node (each request's root row first); row_request: [R] batch
     index of each row; depths: [R] each node's depth; paths: () -> [R] each node's path tokens
-    (root excluded), asked for only where a rule reads them. Returns a processed fp32 copy, or `logits` itself when nothing applies (the raw
-    logits stay for logprobs)."""
+    (root excluded), asked for only where a rule reads them. Returns a processed fp32 copy, or
+    `logits` itself when nothing applies (the raw logits stay for logprobs)."""
     allowed = sampling_metadata.allowed_token_ids_mask
     bad_words = sampling_metadata.bad_words_token_ids
     min_tokens = min_tokens_state(sampling_metadata)

@@ -282,7 +282,7 @@ def _patch_request_refusals() -> None:
     def make(original):
         def _validate_params(self, params, *args, **kwargs):
             result = original(self, params, *args, **kwargs)
-            if options_from_vllm_config(self.vllm_config) is not None:
+            if ADDITIONAL_CONFIG_KEY in (self.vllm_config.additional_config or {}):
                 from vllm.exceptions import VLLMValidationError
 
                 from vllm_subspec.step.node_constraints import refusal

@@ -168,7 +168,7 @@ class SubSpecProposer(DraftModelProposer):
             return torch.empty(batch_size, 0, dtype=torch.int64, device=next_token_ids.device)
         req_ids = self.runner.input_batch.req_ids[:batch_size]
         chain_only = [chain_only_reason(self.runner.requests[r].sampling_params) is not None
-                      for r in req_ids]
+                      for r in req_ids] if self.options.is_tree else None  # a chain is one
         return self.session.propose(VllmDraftPasses(self, cad, last_verified), req_ids,
                                     next_token_ids, num_speculative_tokens, chain_only)
 
