@@ -10,6 +10,7 @@ breadth-first prefix).
 """
 
 import pytest
+import torch
 from conftest import make_llm, shutdown
 
 from subspec_testing.harness import assert_identical
@@ -43,12 +44,19 @@ def test_480_concurrent_requests_with_a_2048_token_budget(tiny_llama, plain_refe
     # the engine core in this process steps only when `generate` runs it, after every request
     # is added: the first step holds all 480 (a background core would start on the first)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # an in-process CPU worker replaces torch.set_num_threads with a no-op and sets this
+    # process's thread count (vllm/v1/worker/cpu_worker.py:139-145): both are put back after,
+    # for the tests that run next in this pytest worker
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)
+    threads = torch.get_num_threads()
     llm = make_llm(tiny_llama, SPEC, **ENGINE)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.collective_rpc(_step_stats)[0]
     finally:
         shutdown(llm)
+        monkeypatch.undo()
+        torch.set_num_threads(threads)
     plain = plain_references.get(tiny_llama, ENGINE, {"wide": PlainRun(prompts, params)})
     assert stats["max_num_tokens"] == 2048
     assert_identical([list(o.outputs[0].token_ids) for o in outs], plain["wide"].token_ids)
