@@ -26,26 +26,36 @@ from benchmarks.depth_sweep import RESULTS, environment, model_path
 
 
 def _counts(worker):
+    import os
+
+    import psutil
+
     from vllm_subspec.draft_model.model import SubstituteSet
 
     subs = SubstituteSet.of(worker.model_runner.get_model())  # not .model: CUDA graphs wrap it
-    return subs.built, subs.cache_hits, subs.build_seconds
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    kv = sum(t.numel() * t.element_size() for t in worker.model_runner.kv_caches)
+    if subs is None:
+        return 0, 0, 0.0, rss, kv, 0
+    return subs.built, subs.cache_hits, subs.build_seconds, rss, kv, subs.nbytes()
 
 
-def start(model: str, spec: dict | None, dtype: str) -> dict:
+def start(model: str, spec: dict | None, dtype: str, memory_utilization: float) -> dict:
     from vllm import LLM
 
     from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine
 
     t = time.perf_counter()
     llm = LLM(model=model, speculative_config=spec, enforce_eager=True, dtype=dtype,
-              **CPU_ENGINE_KWARGS)
+              **{**CPU_ENGINE_KWARGS, "gpu_memory_utilization": memory_utilization})
     seconds = time.perf_counter() - t
     try:
-        built, hits, build_s = llm.collective_rpc(_counts)[0] if spec else (0, 0, 0.0)
+        built, hits, build_s, rss, kv, draft = llm.collective_rpc(_counts)[0]
     finally:
         shutdown_engine(llm)
-    return {"seconds": seconds, "built": built, "loaded": hits, "substitute_seconds": build_s}
+    return {"seconds": seconds, "built": built, "loaded": hits, "substitute_seconds": build_s,
+            "worker_rss_gib": rss / 2**30, "kv_cache_gib": kv / 2**30,
+            "draft_gib": draft / 2**30}
 
 
 def model_path_name(name: str) -> str:
@@ -58,6 +68,8 @@ def main():
     ap.add_argument("--models", nargs="+", default=["smollm2"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--memory-utilization", type=float, default=0.3,
+                    help="gpu_memory_utilization: on CPU, the RAM share of the engine")
     ap.add_argument("--warm-only", action="store_true",
                     help="keep the cache (no cold run): plain and a warm SubSpec start only")
     args = ap.parse_args()
@@ -65,12 +77,13 @@ def main():
     from vllm_subspec.config import SubSpecOptions
     from vllm_subspec.draft_model.substitute_cache import SubstituteCache
 
-    spec = {"method": "subspec", "num_speculative_tokens": 8, "substitute_layers": "all"}
+    spec = {"method": "subspec"}  # the default: on CPU, every layer substituted, auto shape
     if args.cache_dir:
         spec["substitute_cache"] = args.cache_dir
     out = RESULTS / "startup"
-    report = {"command": "python " + " ".join(sys.argv), "environment": environment(),
-              "dtype": args.dtype, "models": {}}
+    report = {"command": "python -m benchmarks.startup " + " ".join(sys.argv[1:]),
+              "environment": environment(), "dtype": args.dtype,
+              "memory_utilization": args.memory_utilization, "models": {}}
     if out.with_suffix(".json").exists():  # keep other models' rows from earlier runs
         old = json.loads(out.with_suffix(".json").read_text())
         keep = {k: v for k, v in old["models"].items()
@@ -83,11 +96,12 @@ def main():
         cache = SubstituteCache.create(model, args.cache_dir, SubSpecOptions())
         if cache is None:
             raise SystemExit(f"no substitute cache for {model}")
-        rows = {"plain": start(model, None, args.dtype)}
+        mem = args.memory_utilization
+        rows = {"plain": start(model, None, args.dtype, mem)}
         if not args.warm_only:
             shutil.rmtree(cache.folder, ignore_errors=True)
-            rows["subspec, cache cold"] = start(model, spec, args.dtype)
-        rows["subspec, cache warm"] = start(model, spec, args.dtype)
+            rows["subspec, cache cold"] = start(model, spec, args.dtype, mem)
+        rows["subspec, cache warm"] = start(model, spec, args.dtype, mem)
         report["models"][Path(model).name] = {"cache_folder": str(cache.folder), "runs": rows}
 
         print(name, json.dumps(rows), flush=True)
@@ -100,22 +114,25 @@ def markdown(report: dict) -> str:
     env = report["environment"]
     lines = ["# Engine start-up time, substitute cache cold vs warm (vLLM CPU backend)", "",
              f"Command: `{report['command']}`. `LLM(...)` construction time (load, substitutes, "
-             f"KV cache, warm-up), dtype {report['dtype']}, enforce_eager, every layer "
-             "substituted (4-bit HQQ g64).", "",
+             f"KV cache, warm-up), dtype {report['dtype']}, enforce_eager, "
+             f"gpu_memory_utilization {report.get('memory_utilization', 0.3)}, SubSpec's default "
+             "configuration (`{\"method\": \"subspec\"}`: on CPU every layer substituted, "
+             "4-bit HQQ g64, and the draft's own 4-bit lm_head).", "",
              "| model | engine | start-up s | of which substitutes s | substitutes built "
-             "| loaded from cache |",
-             "|---|---|---|---|---|---|"]
+             "| loaded from cache | worker RSS GiB | of which draft GiB | KV cache GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for model, m in report["models"].items():
         for engine, r in m["runs"].items():
-            subs = ("-", "-", "-") if engine == "plain" else (
-                f"{r['substitute_seconds']:.1f}" if "substitute_seconds" in r else "?",
-                r["built"], r["loaded"])
+            subs = ("-", "-", "-", "-") if engine == "plain" else (
+                f"{r['substitute_seconds']:.1f}", r["built"], r["loaded"],
+                f"{r['draft_gib']:.2f}")
             lines.append(f"| {model} | {engine} | {r['seconds']:.1f} | {subs[0]} | {subs[1]} "
-                         f"| {subs[2]} |")
+                         f"| {subs[2]} | {r['worker_rss_gib']:.2f} | {subs[3]} "
+                         f"| {r['kv_cache_gib']:.2f} |")
     lines += ["", f"Machine: {env['cpu']}, {env['cores']} cores, OMP_NUM_THREADS="
               f"{env['omp_threads']}; torch {env['torch']}, vLLM {env['vllm']}; {env['date']}. "
-              "The machine was shared with other jobs, so whole start-up times are noisy; "
-              "the substitutes column is the worker's own build/load time."]
+              "Worker RSS: the worker process's resident memory once the engine is up (the KV "
+              "cache included). The substitutes column is the worker's own build/load time."]
     return "\n".join(lines) + "\n"
 
 

@@ -88,6 +88,10 @@ class SubSpecOptions:
     draft_lm_head: str = "quantized"
     """The draft's output projection: "quantized" (its own bits/group_size copy of the target's
     lm_head: the largest matrix a draft pass reads) or "target" (the target's own)."""
+    cpu_draft_memory: float = 0.4
+    """On vLLM's CPU backend, the most RAM the draft may add (substitutes, its lm_head, dense
+    twins) as a fraction of the target's weight bytes: dense twins only where they fit
+    (draft_model/host_memory.py)."""
 
     @property
     def is_tree(self) -> bool:
@@ -231,6 +235,10 @@ def _problems(raw: dict[str, Any]) -> list[str]:
     if get("draft_lm_head", "quantized") not in _DRAFT_LM_HEADS:
         p.append(f"draft_lm_head must be one of {list(_DRAFT_LM_HEADS)}, "
                  f"got {get('draft_lm_head')!r}")
+    m = get("cpu_draft_memory", 0.4)
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 4:
+        p.append(f"cpu_draft_memory must be a number in [0, 4] (a fraction of the target's "
+                 f"weight bytes), got {m!r}")
     if get("quantizer", "hqq") not in _QUANTIZERS:
         p.append(f"quantizer must be one of {list(_QUANTIZERS)}, got {get('quantizer')!r}")
     return p

@@ -221,7 +221,7 @@ def test_request_features_in_the_default_config(default_engine, feature_matrix):
 
 def test_auto_pauses_drafting_losslessly(default_engine, prompts, plain):
     """Where plain decoding is predicted faster, auto drafts nothing (empty draft lists: vLLM
-    runs plain decoding steps) but for one probe step per choice period; switching between
+    runs plain decoding steps) but for its probe steps (backing off); switching between
     plain steps and tree steps keeps the output plain decoding's. The tuner is given a cost
     model in which a draft pass costs a second and a verify a millisecond
     (`ShapeTuner.use_costs`); the steps are counted by the session's `StepStats`."""

@@ -17,7 +17,20 @@ import torch
 from torch import nn
 
 from vllm_subspec.config import SUBSTITUTE_LINEARS, SubSpecConfigError, SubSpecOptions
-from vllm_subspec.draft_model.substitute import SubstituteLinear, substitute_from_quantized
+from vllm_subspec.draft_model.host_memory import (
+    HostMemoryPlan,
+    fit_kv_cache,
+    plan_host_memory,
+    resident_bytes,
+    return_freed_memory,
+    twin_bytes,
+    vllm_cpu_weight_growth,
+)
+from vllm_subspec.draft_model.substitute import (
+    SubstituteLinear,
+    keeps_dense_twin,
+    substitute_from_quantized,
+)
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -43,6 +56,26 @@ class SubstituteSet:
     built: int = 0  # substitutes quantized at this start (the rest came from the cache)
     cache_hits: int = 0
     build_seconds: float = 0.0  # quantizing or loading them, and packing the kernels
+    twins: int = 0  # substitutes that keep a dense twin (substitute.Int4CpuKernel)
+    target_bytes: int = 0  # the target's parameters when the draft was built
+
+    def drop_twins(self, nbytes: int) -> int:
+        """Drop dense twins, last layers first, until nbytes are freed; returns bytes freed."""
+        freed = 0
+        every = [s for i in sorted(self.layers, reverse=True)
+                 for s in reversed(self.layers[i].values())]
+        for sub in ([self.lm_head] if self.lm_head is not None else []) + every:
+            dense = getattr(sub.kernel, "dense", None)
+            if freed >= nbytes:
+                break
+            if dense is not None:
+                freed += dense.numel() * dense.element_size()
+                sub.kernel.dense, sub.kernel.dense_from_rows = None, None
+                self.twins -= 1
+        return freed
+
+    def count(self) -> int:
+        return sum(map(len, self.layers.values())) + (self.lm_head is not None)
 
     def nbytes(self) -> int:
         """Everything the draft adds: the layer substitutes and its quantized lm_head."""
@@ -110,9 +143,12 @@ class SubstituteSet:
 
 
 def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
-                       device: torch.device) -> None:
+                       device: torch.device, kv_room=None) -> None:
     """Build the substitutes of the layers `options` selects (by default the ones vLLM's
-    offloader put in host memory) and attach them to the freshly loaded target (weight hook)."""
+    offloader put in host memory) and attach them to the freshly loaded target (weight hook).
+    kv_room: on vLLM's CPU backend, () -> (bytes the KV cache would get now, or None when set
+    explicitly; bytes of one max_model_len request): the draft's host memory is planned
+    against it (host_memory.py)."""
     from vllm.model_executor.offloader.base import get_offloader
 
     from vllm_subspec.draft_model.layer_selection import offloaded_layer_indices
@@ -141,8 +177,41 @@ def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
             "vllm-subspec: substitute_layers=%r selected no layer; the draft is the "
             "full-precision target", options.substitute_layers)
     max_rows = max(draft_row_counts(vllm_config.scheduler_config.max_num_seqs, options.widths))
-    subs = build_substitutes(model, chosen, options, device, max_rows=max_rows)
+    target_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    memory = _plan_host_memory(model, chosen, options, target_bytes, kv_room) \
+        if device.type == "cpu" and kv_room is not None else None
+    rss = resident_bytes()
+    subs = build_substitutes(model, chosen, options, device, max_rows=max_rows, memory=memory)
+    if memory is not None:
+        return_freed_memory()  # the solver's freed temporaries, kept by malloc, count as RSS
+        logger.info("vllm-subspec: %s (cpu_draft_memory %.2f; dense twins for %d of %d "
+                    "substitutes); worker RSS %.2f -> %.2f GiB", memory.summary(),
+                    options.cpu_draft_memory, subs.twins, subs.count(), rss / 2**30,
+                    resident_bytes() / 2**30)
+    subs.target_bytes = target_bytes
     subs.attach_to(model)  # the layout is logged once the KV cache is sized (the proposer)
+
+
+def _plan_host_memory(model, chosen, options, target_bytes: int, kv_room) -> HostMemoryPlan:
+    """The draft's RAM on CPU, planned before anything is built (host_memory.py); raises when
+    the substitutes and one max_model_len request cannot both fit."""
+    room, need = kv_room()
+    if room is not None:  # what vLLM's own weight processing will add comes out of it
+        room -= vllm_cpu_weight_growth(model)
+    shapes = [tuple(job[3].weight.shape) for job in _jobs(model, chosen, options)]
+    return plan_host_memory(shapes, options.cpu_draft_memory, options.bits, options.group_size,
+                            target_bytes, room, need)
+
+
+def after_weights_processed(model: nn.Module, device: torch.device, kv_room=None) -> None:
+    """After vLLM's own weight processing (the CPU backend repacks the linears into new
+    tensors): return what malloc keeps of the freed weights, so that the KV cache is sized from
+    the memory the engine really holds, then make sure one max_model_len request fits it."""
+    subs = SubstituteSet.of(model)
+    if device.type != "cpu" or subs is None or kv_room is None:
+        return
+    return_freed_memory()
+    fit_kv_cache(subs, kv_room)
 
 
 def draft_row_counts(max_num_seqs: int, tree_width: int | tuple[int, ...]) -> list[int]:
@@ -157,28 +226,42 @@ def draft_row_counts(max_num_seqs: int, tree_width: int | tuple[int, ...]) -> li
 LM_HEAD, LM_HEAD_INDEX = ("lm_head",), -1  # the lm_head's job id and cache index
 
 
+def _jobs(model: nn.Module, layer_indices: list[int], options: SubSpecOptions):
+    """(job id, cache index, linear name, linear) for every linear the draft substitutes."""
+    layers = decoder_layers(model)
+    jobs = [((i, name), i, name, getattr(_linear_owner(layers[i], name), name))
+            for i in layer_indices for name in SUBSTITUTE_LINEARS]
+    if options.draft_lm_head == "quantized" and layer_indices:
+        jobs.append((LM_HEAD, LM_HEAD_INDEX, "lm_head", model.lm_head))
+    return jobs
+
+
 def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSpecOptions,
-                      device: torch.device, cache="auto", max_rows: int = 0) -> SubstituteSet:
+                      device: torch.device, cache="auto", max_rows: int = 0,
+                      memory: HostMemoryPlan | None = None) -> SubstituteSet:
     """Quantize the linears of the chosen layers. Called on freshly loaded target weights.
 
     cache: a `SubstituteCache`, None (build everything), or "auto": the cache for the model of
     the current vLLM config (`substitute_cache` option), if any. max_rows: the most rows a draft
-    pass can send (the CPU kernel's choice per row count, `substitute.Int4CpuKernel`)."""
+    pass can send (the CPU kernel's choice per row count, `substitute.Int4CpuKernel`).
+    memory: the host-memory plan dense twins must fit (None: no bound)."""
     from vllm_subspec.draft_model.substitute_cache import cache_for_current_model, quantized_weights
 
     if cache == "auto":
         cache = cache_for_current_model(options)
     start = time.perf_counter()
-    layers = decoder_layers(model)
-    subs = SubstituteSet(num_layers=len(layers))
-    jobs = [((i, name), i, name, getattr(_linear_owner(layers[i], name), name))
-            for i in layer_indices for name in SUBSTITUTE_LINEARS]
-    if options.draft_lm_head == "quantized" and layer_indices:
-        jobs.append((LM_HEAD, LM_HEAD_INDEX, "lm_head", model.lm_head))
+    subs = SubstituteSet(num_layers=len(decoder_layers(model)))
+    jobs = _jobs(model, layer_indices, options)
     for job, linear, qw in quantized_weights(jobs, options, device, cache):
+        rows = max_rows
+        if keeps_dense_twin(qw, linear.weight.dtype, device, options.kernel, rows):
+            if memory is not None and not memory.take_twin(twin_bytes(*qw.shape)):
+                rows = 0  # no room for its twin: the int4 kernel at every row count
+            else:
+                subs.twins += 1
         sub = substitute_from_quantized(
             qw, linear, device, options.kernel,
-            name="lm_head" if job == LM_HEAD else f"layers.{job[0]}.{job[1]}", max_rows=max_rows)
+            name="lm_head" if job == LM_HEAD else f"layers.{job[0]}.{job[1]}", max_rows=rows)
         if job == LM_HEAD:  # an extra copy: the target keeps its own for verification
             subs.lm_head = sub
             continue

@@ -48,16 +48,17 @@ class QuantizedWeight:
         return w.view(n, k).to(dtype)
 
 
-# Rows are quantized in blocks of at most this many weights: HQQ's solver holds about ten fp32
-# copies of what it solves, so a whole 151936 x 1536 lm_head would need ~10 GB.
+# Rows are quantized in blocks of at most this many weights (the solver holds fp32 copies of
+# what it solves; a whole 151936 x 1536 lm_head is 0.9 GB per copy). Kept at the size HQQ
+# needed (about ten copies), so the blocks, and with them the substitutes, stay as before.
 QUANTIZE_BLOCK_ELEMENTS = 1 << 25
 
 
 def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 64, method: str = "hqq"):
     """Quantize a [N, K] weight with HQQ (axis=1, i.e. groups of consecutive input elements).
 
-    `method="hqq"` runs HQQ's proximal solver (refines the zero point); `"rtn"` is plain
-    min/max round-to-nearest. The input is not modified and no full-precision copy is kept.
+    `method="hqq"` runs HQQ's proximal solver (refines the zero point; draft_model/hqq.py, the
+    same numbers as the hqq package); `"rtn"` is plain min/max round-to-nearest. The input is not modified and no full-precision copy is kept.
     Groups never span rows, so a large weight is solved in blocks of rows (each block's solver
     stops on its own error, so a blocked HQQ solve can differ slightly from a whole one).
     """
@@ -76,28 +77,16 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 64, method: 
 
 
 def _quantize_block(weight: torch.Tensor, bits: int, group_size: int, method: str):
-    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+    from vllm_subspec.draft_model.hqq import quantize_groups
 
     n, k = weight.shape
-    cfg = BaseQuantizeConfig(nbits=bits, group_size=group_size, axis=1)
-    cfg["weight_quant_params"]["optimize"] = method == "hqq"
-    # HQQ's solver runs in the compute dtype on CUDA and fp32 on CPU.
-    dtype = torch.float16 if weight.is_cuda else torch.bfloat16
-    hqq = HQQLinear.from_weights(
-        weight.detach(), None, cfg, compute_dtype=dtype, device=str(weight.device)
-    )
-    # unpack() gives one row per group; 3-bit packing pads the row count.
-    codes = hqq.unpack(dtype=torch.uint8)[: n * k // group_size].reshape(n, k)
+    # HQQLinear kept scale and zero in its compute dtype: fp16 on CUDA, bf16 elsewhere
+    meta_dtype = torch.float16 if weight.is_cuda else torch.bfloat16
+    q = quantize_groups(weight.detach().reshape(-1, group_size), bits,
+                        optimize=method == "hqq", meta_dtype=meta_dtype)
     g = k // group_size
-    qw = QuantizedWeight(
-        codes=codes.contiguous(),
-        scale=hqq.meta["scale"].view(n, g).float(),
-        zero=hqq.meta["zero"].view(n, g).float(),
-        bits=bits,
-        group_size=group_size,
-    )
-    del hqq
-    return qw
+    return QuantizedWeight(codes=q.codes.view(n, k), scale=q.scale.view(n, g),
+                           zero=q.zero.view(n, g), bits=bits, group_size=group_size)
 
 
 class Int4CpuKernel:
@@ -396,6 +385,17 @@ class SubstituteLinear(torch.nn.Module):
         return f"{self.source_name}, kernel={self.kernel.name}"
 
 
+def keeps_dense_twin(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device,
+                     kernel: str, max_rows: int) -> bool:
+    """Whether `substitute_from_quantized(..., max_rows)` would keep a dense twin: the int4 CPU
+    kernel chosen by "auto", and a dense matmul faster at some row count up to max_rows."""
+    if max_rows <= 0 or kernel != "auto" or choose_kernel(qw, device, kernel) is not Int4CpuKernel:
+        return False
+    act = torch.float16 if dtype == torch.float16 else Int4CpuKernel.compute_dtype
+    n, k = qw.shape
+    return dense_crossover(n, k, qw.group_size, act, max_rows) is not None
+
+
 def substitute_from_quantized(qw: QuantizedWeight, linear: torch.nn.Module,
                               device: torch.device, kernel: str,
                               name: str = "", max_rows: int = 0) -> SubstituteLinear:
@@ -403,7 +403,7 @@ def substitute_from_quantized(qw: QuantizedWeight, linear: torch.nn.Module,
     most rows a draft pass can send; with kernel "auto" on CPU, the int4 kernel then keeps a
     dense twin where a dense matmul is faster at some of those row counts."""
     cls = choose_kernel(qw, device, kernel)
-    if cls is Int4CpuKernel and kernel == "auto":
+    if keeps_dense_twin(qw, linear.weight.dtype, device, kernel, max_rows):
         built = cls(qw, linear.weight.dtype, max_rows)
     else:
         built = cls(qw, linear.weight.dtype)

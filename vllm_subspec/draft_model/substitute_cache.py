@@ -1,7 +1,7 @@
 """On-disk cache of built substitutes, so a model's HQQ solve runs once, not on every start.
 
-HQQ's proximal solver costs seconds per linear on a CPU (about 25 s for one 17920x1536
-`gate_up_proj` of Qwen2.5-1.5B on one core). What it produces, a `QuantizedWeight` (codes,
+HQQ's proximal solver costs about a second per large linear on a CPU (draft_model/hqq.py;
+the hqq package itself took 4-25 s per linear of Qwen2.5-1.5B on one core). What it produces, a `QuantizedWeight` (codes,
 scale, zero), is stored per linear in a safetensors file; a kernel is packed from it at load,
 which is cheap. Nothing here ever changes what the target outputs: substitutes only draft.
 
@@ -11,7 +11,8 @@ Key (all of it must match, or the entry is rebuilt and overwritten):
 - the linear: layer index, name, shape, dtype, and the device type (HQQ solves in fp16 on CUDA
   and fp32 on CPU, so the two give different substitutes);
 - bits, group size, quantizer;
-- versions: this cache format, vllm-subspec, hqq, torch and vLLM.
+- versions: this cache format, vllm-subspec, the solver (the hqq release whose numbers
+  draft_model/hqq.py reproduces), torch and vLLM.
 
 Location (`substitute_cache` in `speculative_config`): unset / true -> `$VLLM_SUBSPEC_CACHE_DIR`,
 else `$XDG_CACHE_HOME/vllm-subspec`, else `~/.cache/vllm-subspec`, plus `substitutes/`;
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_subspec.draft_model.hqq import HQQ_RELEASE
 from vllm_subspec.draft_model.substitute import QuantizedWeight
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
@@ -53,8 +55,10 @@ def default_root() -> Path:
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
-    out = {"format": str(CACHE_FORMAT), "torch": torch.__version__}
-    for dist in ("vllm-subspec", "hqq", "vllm"):
+    # "hqq": the release whose codes the solver reproduces bit for bit (entries written when the
+    # hqq package itself solved stay valid)
+    out = {"format": str(CACHE_FORMAT), "torch": torch.__version__, "hqq": HQQ_RELEASE}
+    for dist in ("vllm-subspec", "vllm"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -205,25 +209,6 @@ class SubstituteCache:
                 tmp.unlink()
 
 
-@contextlib.contextmanager
-def all_threads():
-    """Use every CPU this process may run on while quantizing, then restore torch's setting.
-    (vLLM's CPU worker pins itself to its OMP cores, so there this changes nothing.)"""
-    before = torch.get_num_threads()
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        available = os.cpu_count() or before
-    if available <= before:  # e.g. vLLM's CPU worker, pinned to its OMP cores: nothing to gain
-        yield
-        return
-    torch.set_num_threads(available)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def quantized_weights(jobs, options, device: torch.device, cache: SubstituteCache | None):
     """Yield (job, linear, QuantizedWeight) for each `(job, layer_index, name, linear)`, loading
     from `cache` where it can and building (then storing) the rest. One at a time, so at most
@@ -233,20 +218,19 @@ def quantized_weights(jobs, options, device: torch.device, cache: SubstituteCach
     from vllm_subspec.draft_model.substitute import quantize
 
     built, start = 0, time.perf_counter()
-    with all_threads():
-        for job, index, name, linear in tqdm(
-                jobs, desc=f"SubSpec: {options.bits}-bit substitutes", unit="linear",
-                disable=not jobs):
-            w = linear.weight
-            key = cache.key(index, name, w.shape, w.dtype, device) if cache else None
-            qw = cache.load(key, device) if cache else None
-            if qw is None:
-                qw = quantize(w.data.to(device), bits=options.bits,
-                              group_size=options.group_size, method=options.quantizer)
-                built += 1
-                if cache:
-                    cache.store(key, qw)
-            yield job, linear, qw
+    for job, index, name, linear in tqdm(
+            jobs, desc=f"SubSpec: {options.bits}-bit substitutes", unit="linear",
+            disable=not jobs):
+        w = linear.weight
+        key = cache.key(index, name, w.shape, w.dtype, device) if cache else None
+        qw = cache.load(key, device) if cache else None
+        if qw is None:
+            qw = quantize(w.data.to(device), bits=options.bits,
+                          group_size=options.group_size, method=options.quantizer)
+            built += 1
+            if cache:
+                cache.store(key, qw)
+        yield job, linear, qw
     if jobs:
         where = f"{cache.hits} loaded from {cache.folder}" if cache else "no cache"
         logger.info("vllm-subspec: substitutes ready in %.1f s: %d built, %s",

@@ -19,8 +19,9 @@ what a request outputs.
 - `ShapeTuner`: per step, the width k and the deepest depth D_max (auto shape; re-chosen every
   `RECHOOSE_EVERY` steps from per-width acceptance and the measured costs, each width explored
   first), or no draft at all when a plain decoding step, T = t_other + t_verify(B) for B tokens,
-  is predicted faster (an auto depth only; one step per choice period still drafts, so the
-  statistics stay current); within a step, which requests draft one more depth
+  is predicted faster (an auto depth only; probe steps still draft, so the statistics stay
+  current: one in RECHOOSE_EVERY at first, backing off to one in MAX_PROBE_EVERY while plain
+  decoding keeps winning); within a step, which requests draft one more depth
   (`drafting_next`: a request whose next depth does not pay for its own rows drops out of the
   later passes; the rest go on while the next depth's expected tokens per extra second beat
   the step's rate so far) and how many depths each request sends to verification
@@ -44,6 +45,7 @@ RECHOOSE_EVERY = 16  # steps between shape choices
 EXPLORE_STEPS = 4  # verified trees of each candidate width before the first choice
 REEXPLORE_EVERY = 8  # every n-th choice period has one step of the least-recently-run width
 FULL_DEPTH_EVERY = 16  # every n-th step drafts past D_max: observations past the usual stop
+MAX_PROBE_EVERY = 512  # while plain decoding keeps winning, probe steps back off to this
 
 
 class LinearCost:
@@ -201,6 +203,11 @@ class ShapeTuner:
         self.drafting = (self.width, self.depth)  # the best drafting shape of the last choice
         self.steps = 0
         self.last_run = {w: -1 for w in widths}
+        # no draft (depth 0): one probe step drafts, at next_probe; the period doubles at each
+        # probe after which plain decoding still wins (back to RECHOOSE_EVERY once drafting is
+        # chosen), so a workload where drafting never pays pays for ever fewer probes
+        self.probe_every = RECHOOSE_EVERY
+        self.next_probe = 0
 
     def use_costs(self, costs: StepCosts) -> None:
         """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark)."""
@@ -227,14 +234,17 @@ class ShapeTuner:
                 self.width, self.depth = max(unexplored), self.max_depth  # widest first
             elif self.steps % RECHOOSE_EVERY == 1 or unexplored:
                 self._choose(batch_size)
-            elif self.auto_width and self.steps % (RECHOOSE_EVERY * REEXPLORE_EVERY) == 0:
+            elif (self.auto_width and self.depth != 0
+                  and self.steps % (RECHOOSE_EVERY * REEXPLORE_EVERY) == 0):
                 # one step of the least recently run width keeps its statistics current
                 stale = min(self.widths, key=lambda w: self.last_run[w])
                 self.last_run[stale] = self.steps
                 return StepPlan(TreeShape(stale, self.drafting[1]), self.auto_depth, True)
-        if self.depth == 0:  # plain decoding is faster: draft only in the step before a choice
-            if self.steps % RECHOOSE_EVERY != 0:
+        if self.depth == 0:  # plain decoding is faster: draft only in probe steps
+            if self.steps < self.next_probe:
                 return StepPlan(TreeShape(self.width, 0), False, False)
+            self.next_probe = self.steps + self.probe_every
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
             width, depth = self.drafting
             self.last_run[width] = self.steps
             return StepPlan(TreeShape(width, depth), True, False)
@@ -283,11 +293,15 @@ class ShapeTuner:
         self.drafting = best
         if self.auto_depth and plain > rate:
             best = (best[0], 0)
+            if self.depth != 0:  # newly plain: the first probe one period from now
+                self.probe_every = RECHOOSE_EVERY
+                self.next_probe = self.steps + RECHOOSE_EVERY - 1
         if best != (self.width, self.depth):
             if best[1] == 0:
                 logger.info("vllm-subspec: no draft: plain decoding predicted faster (%.1f vs "
-                            "%.1f tok/s at batch %d); one step in %d drafts", plain, rate,
-                            batch_size, RECHOOSE_EVERY)
+                            "%.1f tok/s at batch %d); probe steps draft one in %d, backing "
+                            "off to one in %d", plain, rate, batch_size, RECHOOSE_EVERY,
+                            MAX_PROBE_EVERY)
             else:
                 logger.info("vllm-subspec: tree shape %dx%d (width x max depth), predicted "
                             "%.1f tok/s at batch %d", best[0], best[1], rate, batch_size)

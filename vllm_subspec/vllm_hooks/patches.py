@@ -103,9 +103,19 @@ def _patch_weight_hook() -> None:
             vllm_config = get_current_vllm_config_or_none()
             options = options_from_vllm_config(vllm_config) if vllm_config else None
             if options is not None and model_config is vllm_config.model_config:
-                from vllm_subspec.draft_model.model import attach_substitutes
+                from vllm_subspec.draft_model.model import (
+                    after_weights_processed,
+                    attach_substitutes,
+                )
+                from vllm_subspec.vllm_hooks.cpu_memory import kv_room_and_need
 
-                attach_substitutes(model, options, vllm_config, torch.device(target_device))
+                device = torch.device(target_device)
+                kv_room = (lambda: kv_room_and_need(vllm_config)) if device.type == "cpu" \
+                    else None
+                attach_substitutes(model, options, vllm_config, device, kv_room)
+                out = original(model, model_config, target_device)
+                after_weights_processed(model, device, kv_room)  # (CPU: the KV cache fits)
+                return out
             return original(model, model_config, target_device)
 
         return process_weights_after_loading

@@ -1,0 +1,141 @@
+"""The draft's host memory on vLLM's CPU backend: planned before any substitute is built.
+
+On CPU every byte the draft adds comes out of the RAM share vLLM sizes its KV cache from
+(`gpu_memory_utilization` x the node's memory, minus the worker's RSS once the model is loaded:
+vllm/v1/worker/cpu_worker.py:73-75 and 235-236). The draft adds:
+- the substitutes (int4 codes with a 16-bit scale and zero per group, ~28% of bf16 weights);
+- the draft's quantized lm_head (`draft_lm_head: "quantized"`);
+- dense twins: with `kernel: "auto"`, a bf16 copy of a substitute's HQQ weights for the row
+  counts where a plain matmul beats the int4 kernel (2 bytes per weight, as much as the target).
+
+`cpu_draft_memory` (a fraction of the target's weight bytes, 0.4 by default) bounds all of it:
+twins are kept, in layer order, only while they fit the bound and leave the KV cache room for
+one `max_model_len` request. When even the int4 substitutes leave no such room, the engine stops
+here, before quantizing anything, with the numbers and the settings that fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import torch
+
+from vllm_subspec.config import SubSpecConfigError
+
+GiB = 2**30
+
+
+def substitute_bytes(n: int, k: int, bits: int, group_size: int) -> int:
+    """Bytes of one substitute as the CPU kernels store it: `Int4CpuKernel` packs two codes per
+    byte and keeps scale and zero in bf16 ([G, N, 2]); `ReferenceKernel` (other bit widths)
+    keeps uint8 codes and fp32 scale and zero."""
+    groups = n * (k // group_size)
+    if bits == 4 and n % 16 == 0:
+        return n * k // 2 + groups * 2 * 2
+    return n * k + groups * 2 * 4
+
+
+def twin_bytes(n: int, k: int) -> int:
+    return n * k * 2  # bf16 (the int4 kernel's activation dtype)
+
+
+@dataclasses.dataclass
+class HostMemoryPlan:
+    target_bytes: int  # the target's parameters
+    substitute_bytes: int  # every planned substitute (layers and lm_head), twins not counted
+    twin_budget: int  # bytes dense twins may take
+    kv_room: int | None  # what the KV cache would get without twins (None: not known)
+    twins_bytes: int = 0  # taken so far
+
+    def take_twin(self, nbytes: int) -> bool:
+        """Whether a twin of nbytes fits what is left (and, if so, count it)."""
+        if self.twins_bytes + nbytes > self.twin_budget:
+            return False
+        self.twins_bytes += nbytes
+        return True
+
+    def summary(self) -> str:
+        return (f"draft host memory: substitutes {self.substitute_bytes / GiB:.2f} GiB + dense "
+                f"twins {self.twins_bytes / GiB:.2f} GiB = "
+                f"{100 * (self.substitute_bytes + self.twins_bytes) / max(self.target_bytes, 1):.0f}%"
+                f" of the target's {self.target_bytes / GiB:.2f} GiB of weights")
+
+
+FIXES = ("raise gpu_memory_utilization, lower max_model_len, substitute fewer layers "
+         "(substitute_layers), or draft with the target's lm_head (draft_lm_head: \"target\")")
+
+
+def plan_host_memory(shapes: list[tuple[int, int]], fraction: float, bits: int,
+                     group_size: int, target_bytes: int, kv_room: int | None,
+                     kv_needed: int) -> HostMemoryPlan:
+    """shapes: [N, K] of every linear to substitute. kv_room: the RAM share vLLM will leave for
+    the KV cache if the draft adds nothing (None: unknown, e.g. an explicit KV size);
+    kv_needed: the least KV cache an engine can start with (one max_model_len request)."""
+    subs = sum(substitute_bytes(n, k, bits, group_size) for n, k in shapes)
+    if kv_room is not None and kv_room - subs < kv_needed:
+        raise SubSpecConfigError(
+            f"not enough memory for the draft and the KV cache on the CPU backend: the RAM "
+            f"share (gpu_memory_utilization) leaves about {kv_room / GiB:.2f} GiB for the KV "
+            f"cache after the target's weights; the draft's {bits}-bit substitutes need "
+            f"{subs / GiB:.2f} GiB of it, and one {kv_needed / GiB:.3f} GiB max_model_len "
+            f"request must fit in what remains. Nothing was built. To fix: {FIXES}")
+    budget = int(fraction * target_bytes) - subs
+    if kv_room is not None:
+        budget = min(budget, kv_room - subs - kv_needed)
+    return HostMemoryPlan(target_bytes=target_bytes, substitute_bytes=subs,
+                          twin_budget=max(budget, 0), kv_room=kv_room)
+
+
+def fit_kv_cache(substitutes, kv_room: Callable[[], tuple[int | None, int]]) -> None:
+    """After vLLM's weight processing, with the draft built: what vLLM's CPU worker will give
+    the KV cache is now known (its RSS). When one max_model_len request does not fit, dense
+    twins are dropped (the last layers' first) until it does; when it still does not, one
+    clear error (the substitutes stay cached: the next start builds nothing).
+    kv_room: () -> (bytes the KV cache would get now, or None if set explicitly; bytes of one
+    max_model_len request), vllm_hooks/cpu_memory.py."""
+    room, need = kv_room()
+    if room is None or room >= need:
+        return
+    freed = substitutes.drop_twins(need - room)
+    if freed:
+        return_freed_memory()
+        room, need = kv_room()
+    if room < need:
+        raise SubSpecConfigError(
+            f"not enough memory for the KV cache on the CPU backend: after the target "
+            f"({substitutes.target_bytes / GiB:.2f} GiB of weights, which vLLM repacks) and the "
+            f"draft ({substitutes.nbytes() / GiB:.2f} GiB), the RAM share "
+            f"(gpu_memory_utilization) leaves {room / GiB:.2f} GiB, and one max_model_len "
+            f"request needs {need / GiB:.3f} GiB. To fix: {FIXES}")
+
+
+def vllm_cpu_weight_growth(model: torch.nn.Module) -> int:
+    """Bytes vLLM's CPU backend adds when it processes the loaded weights: each vocabulary
+    embedding (embed_tokens, and the lm_head when it is not tied) gets a packed copy and keeps
+    its weight (`remove_weight=False`, vllm/model_executor/layers/vocab_parallel_embedding.py:71;
+    linears drop theirs, linear.py:216)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, VocabParallelEmbedding) and m.weight.dim() == 2)
+
+
+def resident_bytes() -> int:
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def return_freed_memory() -> None:
+    """Hand memory malloc keeps after frees back to the system (glibc `malloc_trim`): vLLM's CPU
+    worker sizes the KV cache from its RSS, which otherwise still counts the solver's freed
+    fp32 temporaries. A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
