@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_subspec.config import SubSpecConfigError
+from vllm_subspec.draft_model.substitute import Int4CpuKernel
 
 GiB = 2**30
 
@@ -32,7 +33,7 @@ def substitute_bytes(n: int, k: int, bits: int, group_size: int) -> int:
     byte and keeps scale and zero in bf16 ([G, N, 2]); `ReferenceKernel` (other bit widths)
     keeps uint8 codes and fp32 scale and zero."""
     groups = n * (k // group_size)
-    if bits == 4 and n % 16 == 0:
+    if Int4CpuKernel.packs(n, bits, group_size):
         return n * k // 2 + groups * 2 * 2
     return n * k + groups * 2 * 4
 
@@ -46,7 +47,6 @@ class HostMemoryPlan:
     target_bytes: int  # the target's parameters
     substitute_bytes: int  # every planned substitute (layers and lm_head), twins not counted
     twin_budget: int  # bytes dense twins may take
-    kv_room: int | None  # what the KV cache would get without twins (None: not known)
     twins_bytes: int = 0  # taken so far
 
     def take_twin(self, nbytes: int) -> bool:
@@ -85,7 +85,7 @@ def plan_host_memory(shapes: list[tuple[int, int]], fraction: float, bits: int,
     if kv_room is not None:
         budget = min(budget, kv_room - subs - kv_needed)
     return HostMemoryPlan(target_bytes=target_bytes, substitute_bytes=subs,
-                          twin_budget=max(budget, 0), kv_room=kv_room)
+                          twin_budget=max(budget, 0))
 
 
 def fit_kv_cache(substitutes, kv_room: Callable[[], tuple[int | None, int]]) -> None:

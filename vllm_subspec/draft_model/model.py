@@ -180,7 +180,7 @@ def attach_substitutes(model: nn.Module, options: SubSpecOptions, vllm_config,
     target_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     memory = _plan_host_memory(model, chosen, options, target_bytes, kv_room) \
         if device.type == "cpu" and kv_room is not None else None
-    rss = resident_bytes()
+    rss = resident_bytes() if memory is not None else 0
     subs = build_substitutes(model, chosen, options, device, max_rows=max_rows, memory=memory)
     if memory is not None:
         return_freed_memory()  # the solver's freed temporaries, kept by malloc, count as RSS

@@ -58,7 +58,8 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 64, method: 
     """Quantize a [N, K] weight with HQQ (axis=1, i.e. groups of consecutive input elements).
 
     `method="hqq"` runs HQQ's proximal solver (refines the zero point; draft_model/hqq.py, the
-    same numbers as the hqq package); `"rtn"` is plain min/max round-to-nearest. The input is not modified and no full-precision copy is kept.
+    same numbers as the hqq package); `"rtn"` is plain min/max round-to-nearest. The input is
+    not modified and no full-precision copy is kept.
     Groups never span rows, so a large weight is solved in blocks of rows (each block's solver
     stops on its own error, so a blocked HQQ solve can differ slightly from a whole one).
     """
@@ -100,13 +101,12 @@ class Int4CpuKernel:
 
     @staticmethod
     def supports(qw: QuantizedWeight, device: torch.device) -> bool:
-        n, _ = qw.shape
-        return (
-            device.type == "cpu"
-            and qw.bits == 4
-            and n % 16 == 0
-            and qw.group_size in (32, 64, 128, 256)
-        )
+        return device.type == "cpu" and Int4CpuKernel.packs(qw.shape[0], qw.bits, qw.group_size)
+
+    @staticmethod
+    def packs(n: int, bits: int, group_size: int) -> bool:
+        """Whether tinygemm can pack an [n, k] weight of this bit width and group size."""
+        return bits == 4 and n % 16 == 0 and group_size in (32, 64, 128, 256)
 
     # The kernel's fp32 path is ~100x slower than its bf16 one (194 ms vs 1.5 ms at M=60 for a
     # 3072x576 weight), so a float32 model drafts through bf16 activations: the draft's
@@ -389,7 +389,8 @@ def keeps_dense_twin(qw: QuantizedWeight, dtype: torch.dtype, device: torch.devi
                      kernel: str, max_rows: int) -> bool:
     """Whether `substitute_from_quantized(..., max_rows)` would keep a dense twin: the int4 CPU
     kernel chosen by "auto", and a dense matmul faster at some row count up to max_rows."""
-    if max_rows <= 0 or kernel != "auto" or choose_kernel(qw, device, kernel) is not Int4CpuKernel:
+    # ("auto" picks Int4CpuKernel exactly where it is supported: choose_kernel)
+    if max_rows <= 0 or kernel != "auto" or not Int4CpuKernel.supports(qw, device):
         return False
     act = torch.float16 if dtype == torch.float16 else Int4CpuKernel.compute_dtype
     n, k = qw.shape

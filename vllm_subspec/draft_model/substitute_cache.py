@@ -1,8 +1,8 @@
 """On-disk cache of built substitutes, so a model's HQQ solve runs once, not on every start.
 
 HQQ's proximal solver costs about a second per large linear on a CPU (draft_model/hqq.py;
-the hqq package itself took 4-25 s per linear of Qwen2.5-1.5B on one core). What it produces, a `QuantizedWeight` (codes,
-scale, zero), is stored per linear in a safetensors file; a kernel is packed from it at load,
+the hqq package itself took 4-25 s per linear of Qwen2.5-1.5B on one core). What it
+produces, a `QuantizedWeight` (codes, scale, zero), is stored per linear in a safetensors file; a kernel is packed from it at load,
 which is cheap. Nothing here ever changes what the target outputs: substitutes only draft.
 
 Key (all of it must match, or the entry is rebuilt and overwritten):
