@@ -44,13 +44,13 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",  # 6 (CUDA)
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",  # 6 (CPU)
     "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",  # 7
-    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",  # 8
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",  # 9
-    "vllm.v1.engine.input_processor:InputProcessor._validate_params",  # 10
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",  # 8
+    "vllm.v1.engine.input_processor:InputProcessor._validate_params",  # 9
     # docs/gpu.md table
     "vllm.engine.arg_utils:EngineArgs.create_engine_config",  # calls patch 1 before the configs
     "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",  # calls patch 3
     "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.do_kv_cache_update",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",  # picks the ISA
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
     "vllm.v1.attention.backends.cpu_attn:_get_attn_isa",
     "vllm.v1.kv_cache_interface:create_kv_cache_views",
@@ -129,12 +129,10 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
      "tree_attention.apply_tree_attention after the original (CUDA)"),
     ("vllm.v1.sample.rejection_sampler:expand_batch_to_tokens", f"{_PATCH} #7)",
      "cpu_sampling_fix.expand_batch_to_tokens instead (CPU only)"),
-    ("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",
-     f"{_PATCH} #8)", "paged_kv.tree_cpu_attn_isa after the original (CPU trees)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
-     f"{_PATCH} #9)", "True whenever there is a batch (SubSpec trees: drafting stops per "
+     f"{_PATCH} #8)", "True whenever there is a batch (SubSpec trees: drafting stops per "
      "request)"),
-    ("vllm.v1.engine.input_processor:InputProcessor._validate_params", f"{_PATCH} #10)",
+    ("vllm.v1.engine.input_processor:InputProcessor._validate_params", f"{_PATCH} #9)",
      "the original, then node_constraints.refusal (SubSpec engines)"),
     ("vllm.model_executor.offloader.prefetch:PrefetchOffloader._start_prefetch",
      "replaced on the offloader instance (vllm_hooks/prefetch_overlap.py)",

@@ -135,3 +135,34 @@ def run_engine(model: str, prompts, sampling_params, speculative_config=None,
     finally:
         shutdown_engine(llm)
 
+
+def predict_plain_faster(worker) -> dict:
+    """Give the SubSpec session's shape tuner a cost model in which a draft pass costs a second
+    and a verify a millisecond (`ShapeTuner.use_costs`), so it chooses plain decoding but for
+    its probe steps; returns the session's `StepStats` as a dict (a collective_rpc target)."""
+    from vllm_subspec.step.shape_tuner import LinearCost, StepCosts
+
+    class Fixed(LinearCost):  # `seconds` whatever the rows; observations ignored
+        known = True
+
+        def __init__(self, seconds):
+            super().__init__()
+            self.seconds = seconds
+
+        def add(self, rows, seconds):
+            pass
+
+        def coefficients(self):
+            return self.seconds, 0.0
+
+    tuner = worker.model_runner.drafter.session.tuner
+    tuner.use_costs(StepCosts({w: Fixed(1.0) for w in tuner.draft_pass},
+                              {w: Fixed(1e-3) for w in tuner.verify}, Fixed(0.0)))
+    return step_stats(worker)
+
+
+def step_stats(worker) -> dict:
+    """The SubSpec session's `StepStats` as a dict (a collective_rpc target)."""
+    import dataclasses
+
+    return dataclasses.asdict(worker.model_runner.drafter.session.stats)

@@ -1,3 +1,3 @@
 """vllm-subspec: lossless Substitute Speculative Decoding (SubSpec) for offloaded LLMs in vLLM."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

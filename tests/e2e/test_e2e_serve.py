@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from subspec_testing.serve import serving
+from subspec_testing.serve import metric_total, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -57,6 +57,20 @@ def test_chat_greedy_matches_plain_and_metrics_report_tau(servers):
     drafts, accepted = counter("num_drafts"), counter("num_accepted_tokens")
     assert drafts > 0 and accepted > 0
     assert 1 < 1 + accepted / drafts <= 1 + SUBSPEC["tree_depth"]  # τ within (1, D + 1]
+    # SubSpec's own numbers, read from the worker when Prometheus scrapes
+    ours = lambda name, **kw: metric_total(text, f"vllm:subspec_{name}", **kw)  # noqa: E731
+    assert ours("draft_steps_total") >= drafts > 0
+    assert ours("draft_passes_total") >= ours("draft_steps_total")
+    assert ours("plain_steps_total") == 0  # a fixed shape always drafts
+    assert ours("tree_width") == SUBSPEC["tree_width"]
+    assert 1 <= ours("tree_depth") <= SUBSPEC["tree_depth"]
+    assert 0 < ours("draft_time_share") < 1
+    assert 0 < ours("draft_seconds_total") < ours("step_seconds_total")
+    assert ours("draft_bytes", part="substitutes") > 0
+    assert ours("draft_bytes", part="lm_head") > 0  # the default quantized draft head
+    plain_base = str(clients["plain"].base_url).rstrip("/").removesuffix("/v1")
+    with urllib.request.urlopen(plain_base + "/metrics", timeout=10) as r:
+        assert "vllm:subspec_" not in r.read().decode()  # a plain engine exports none
 
 
 def test_eight_concurrent_greedy_clients_get_the_plain_text(servers):

@@ -11,7 +11,12 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
-from subspec_testing.harness import assert_identical, timed_generate
+from subspec_testing.harness import (
+    assert_identical,
+    predict_plain_faster,
+    step_stats,
+    timed_generate,
+)
 from subspec_testing.plain_reference import PlainRun
 from subspec_testing.request_features import check_engine
 
@@ -228,43 +233,15 @@ def test_auto_pauses_drafting_losslessly(default_engine, prompts, plain):
     llm = default_engine  # its last user: the tuner is changed for good here
     try:
         timed_generate(llm, prompts[:2], GREEDY)  # explores every width (earlier tests did)
-        before = llm.collective_rpc(_predict_plain_faster)[0]
+        before = llm.collective_rpc(predict_plain_faster)[0]
         result = timed_generate(llm, prompts, GREEDY)
-        after = llm.collective_rpc(_step_stats)[0]
+        after = llm.collective_rpc(step_stats)[0]
     finally:  # before the module's next engine starts (the fixture's teardown is then a no-op)
         shutdown(llm)
     assert_identical(result.token_ids, plain[0].token_ids)
     plain_steps = after["plain_steps"] - before["plain_steps"]
     drafting = after["draft_calls"] - before["draft_calls"] - plain_steps
     assert plain_steps > 3 * drafting > 0, (plain_steps, drafting)
-
-
-def _predict_plain_faster(worker) -> dict:
-    from vllm_subspec.step.shape_tuner import LinearCost, StepCosts
-
-    class Fixed(LinearCost):  # `seconds` whatever the rows; observations ignored
-        known = True
-
-        def __init__(self, seconds):
-            super().__init__()
-            self.seconds = seconds
-
-        def add(self, rows, seconds):
-            pass
-
-        def coefficients(self):
-            return self.seconds, 0.0
-
-    tuner = worker.model_runner.drafter.session.tuner
-    tuner.use_costs(StepCosts({w: Fixed(1.0) for w in tuner.draft_pass},
-                              {w: Fixed(1e-3) for w in tuner.verify}, Fixed(0.0)))
-    return _step_stats(worker)
-
-
-def _step_stats(worker) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(worker.model_runner.drafter.session.stats)
 
 
 def test_requests_drop_out_of_later_draft_passes_losslessly(smollm2, prompts, plain,

@@ -143,7 +143,7 @@ def probe(layout: KVCacheLayout) -> dict:
     before = {name: kv.clone() for name, kv in caches.items()}
     root, path = 40, [2, 5, 11]
     src, dst = root + torch.tensor(path), root + torch.arange(1, len(path) + 1)
-    move_kv([(impl, kv0), (impl, kv1)], block_table[1], BLOCK, src, dst)
+    move_kv([(impl, kv0, None), (impl, kv1, None)], block_table[1], BLOCK, src, dst)
     ok_moved, ok_rest = True, True
     for layer, kv in ((0, kv0), (1, kv1)):
         k_ref, v_ref = (t.clone() for t in data[layer, 1])

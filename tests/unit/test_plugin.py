@@ -11,6 +11,8 @@ from vllm_subspec.vllm_hooks import patches
 def test_entry_point_is_registered():
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert eps.get("subspec") == "vllm_subspec.plugin:register"
+    loggers = {ep.name: ep.value for ep in entry_points(group="vllm.stat_logger_plugins")}
+    assert loggers.get("subspec_metrics") == "vllm_subspec.vllm_hooks.metrics:SubSpecStatLogger"
 
 
 def test_vllm_loads_the_plugin():
@@ -61,3 +63,16 @@ def test_trees_keep_attention_out_of_cuda_graphs():
     assert tree_cudagraph_mode(CUDAGraphMode.FULL_DECODE_ONLY) == CUDAGraphMode.PIECEWISE
     assert tree_cudagraph_mode(CUDAGraphMode.PIECEWISE) == CUDAGraphMode.PIECEWISE
     assert tree_cudagraph_mode(CUDAGraphMode.NONE) == CUDAGraphMode.NONE
+
+
+def test_one_version_everywhere():
+    """pyproject's version is the package's and the changelog's newest entry (tagged vX.Y.Z)."""
+    import re
+    from pathlib import Path
+
+    import vllm_subspec
+
+    root = Path(__file__).resolve().parents[2]
+    pyproject = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M)
+    newest = re.search(r"^## (\d+\.\d+\.\d+) \(", (root / "CHANGELOG.md").read_text(), re.M)
+    assert pyproject.group(1) == vllm_subspec.__version__ == newest.group(1)

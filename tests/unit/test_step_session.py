@@ -94,7 +94,7 @@ def kv_cache(num_blocks: int = 8):
     slots = torch.arange(num_blocks * BS)
     fill = slots.float()[:, None, None].expand(-1, KV_HEADS, D)
     layout.put(slots, fill, fill)
-    return [(object.__new__(CPUAttentionBackendImpl), kv)], layout
+    return [(object.__new__(CPUAttentionBackendImpl), kv, "vec16")], layout
 
 
 def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec: int,
@@ -155,6 +155,7 @@ def test_a_fixed_tree_step_emits_the_targets_greedy_tokens_and_compacts_kv():
     assert all(c[3] == roots and len(c[1]) == 2 * 3 for c in step.passes.calls[1:])
     assert [len(d) for d in step.drafts] == [12, 12]  # k * D tokens each (vLLM's fixed size)
     assert session.stats.draft_calls == 1 and session.stats.draft_passes == 4
+    assert (session.stats.tree_width, session.stats.tree_depth) == (3, 4)  # metrics' gauges
     assert session.pending == {}  # consumed by prepare_verify: verified at most once
 
     # verify: positions are root + depth, and the plan's rows cover both trees
@@ -203,6 +204,9 @@ def test_an_auto_step_feeds_the_tuner_from_the_session_only():
     run_step(session, roots, [step.walk.tokens[0, 0].item(), step.walk.tokens[1, 0].item()],
              options.num_draft_tokens)
     assert tuner.other.known and session.stats.draft_calls == 2
+    # the step clock: one step from the first proposal's end to the second's (fake: 10 ms a
+    # reading), of which the second's drafting is part
+    assert 0 < session.stats.draft_seconds / 2 < session.stats.step_seconds
 
 
 def test_an_auto_step_keeps_each_requests_level_masses_for_the_tuner():
@@ -250,6 +254,7 @@ def test_injected_costs_decide_and_a_plain_step_drafts_nothing():
         for _ in range(40):
             step = run_step(session, [5, 20], [3, 8], options.num_draft_tokens)
             drafted.append(any(step.drafts))
+            assert (session.stats.tree_width == 0) == (not drafted[-1])
             for i, b in enumerate([3, 8]):
                 assert emitted(step.walk, i) == target_greedy(b, len(emitted(step.walk, i)))
         return drafted
@@ -275,6 +280,7 @@ def test_a_chain_step_drafts_argmax_tokens_without_trees():
             expect.append(token)
         assert row == expect
     assert session.pending == {}  # verified as vLLM scheduled them (chain_tree)
+    assert (session.stats.tree_width, session.stats.tree_depth) == (1, 4)
 
 
 @pytest.mark.parametrize("limit, reached_b", [(30, 3), (27, 2), (20 + 3 + 1, 1)])

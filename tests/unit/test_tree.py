@@ -167,8 +167,46 @@ def cache():
 
 def test_cpu_layout_matches_vllm_writer():
     check_cpu_layout("vec16", D, BS, torch.bfloat16)
+    check_cpu_layout("amx", D, 32, torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot read the CPU KV cache layout"):
-        check_cpu_layout("amx", D, BS, torch.bfloat16)
+        check_cpu_layout("neon", D, BS, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim, block", [(64, 32), (128, 128), (96, 64)])
+def test_amx_layout_reads_writes_and_splits_what_vllms_writer_wrote(head_dim, block):
+    """The amx layout (vLLM's bf16 KV on CPUs with AMX tiles): `put` writes the bytes vLLM's
+    writer writes, `gather` reads them back, `move` compacts, and whole blocks split into
+    32-token scratch blocks hold the same tokens."""
+    from vllm import _custom_ops as ops
+
+    from vllm_subspec.step.paged_kv import CpuAmxLayout
+
+    g = torch.Generator().manual_seed(head_dim)
+    nb, h, n = 5, 3, 3 * block + 7
+    keys = torch.randn(n, h, head_dim, generator=g).to(torch.bfloat16)
+    values = torch.randn(n, h, head_dim, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(nb * block, generator=g)[:n]
+    theirs = torch.zeros(nb, h, block, 2 * head_dim, dtype=torch.bfloat16)
+    kc, vc = theirs.view(nb, h, 2 * block, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, "amx", k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype="auto")
+    ours = torch.zeros_like(theirs)
+    CpuAmxLayout(ours).put(slots, keys, values)
+    assert torch.equal(ours, theirs)
+    layout = CpuAmxLayout(theirs)
+    k, v = layout.gather(slots)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    scratch = CpuAmxLayout(torch.zeros(2 * block // 32, h, 32, 2 * head_dim,
+                                       dtype=torch.bfloat16))
+    blocks = torch.tensor([3, 1])
+    layout.split_blocks(blocks, scratch, 0)
+    token = torch.arange(2 * block)
+    k, v = scratch.gather(token)
+    k_ref, v_ref = layout.gather(blocks[token // block] * block + token % block)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    layout.move(slots[:4], slots[4:8])
+    k, v = layout.gather(slots[4:8])
+    assert torch.equal(k, keys[:4]) and torch.equal(v, values[:4])
 
 
 def test_tree_attention_equals_dense_masked_attention(cache):
@@ -207,7 +245,7 @@ def test_kv_compaction_moves_the_accepted_path(cache):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the reader
-    move_kv([(impl, kv)], block_table, BS, root + torch.tensor(path), root + torch.arange(1, 4))
+    move_kv([(impl, kv, None)], block_table, BS, root + torch.tensor(path), root + torch.arange(1, 4))
     layout = CpuVecLayout(kv)
     logical = torch.arange(root, root + 4)
     k, v = layout.gather(block_table[logical // BS].long() * BS + logical % BS)
@@ -235,11 +273,11 @@ def test_kv_compaction_reads_a_manager_table_over_kernel_blocks():
     write_cache(kv, keys, values, kernel_table[logical // BS].long() * BS + logical % BS)
     wrong = kv.clone()
     src, dst = root + torch.tensor(path), root + torch.arange(1, 4)
-    move_kv([(impl, kv)], manager_table, 2 * BS, src, dst)
+    move_kv([(impl, kv, None)], manager_table, 2 * BS, src, dst)
     k, v = CpuVecLayout(kv).gather(kernel_table[logical // BS].long() * BS + logical % BS)
     expect = [*range(root + 1)] + [root + a for a in path]
     assert torch.equal(k[: root + 4], keys[expect]) and torch.equal(v[: root + 4], values[expect])
-    move_kv([(impl, wrong)], manager_table, BS, src, dst)  # the kernel size with that table
+    move_kv([(impl, wrong, None)], manager_table, BS, src, dst)  # the kernel size with that table
     k, _ = CpuVecLayout(wrong).gather(kernel_table[logical // BS].long() * BS + logical % BS)
     assert not torch.equal(k[: root + 4], keys[expect])
 
@@ -265,3 +303,32 @@ def test_a_subset_pass_slices_every_per_request_field_vllm_slices():
                        "block_table_tensor", "seq_lens_cpu_upper_bound"}
     assert len(sliced) >= 10  # the pattern still finds vLLM's slicing
     assert sliced - set_by_the_pass <= set(PER_REQUEST_FIELDS), sliced - set(PER_REQUEST_FIELDS)
+
+
+def test_growing_a_tree_creates_no_tensor_on_another_device():
+    """Every tensor an operation of `TreeBatch.grow` reads lives on the tree's device: an index
+    made on the host would be a blocking host-to-device copy on CUDA (issue 22). Run on the
+    meta device, where any host tensor among an op's inputs shows (0-dim scalars aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Devices(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.foreign = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat, _ = torch.utils._pytree.tree_flatten((args, kwargs or {}))
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.dim() > 0:
+                    self.foreign.append((str(func), t.device.type))
+            return func(*args, **(kwargs or {}))
+
+    shape, b, v = TreeShape(3, 4), 2, 11
+    with torch.device("meta"):
+        tree = TreeBatch(shape, torch.zeros(b, dtype=torch.int64))
+        first, later = torch.randn(b, v), torch.randn(b, shape.width, v)
+    with Devices() as seen:
+        tree.grow(first.log_softmax(-1))
+        tree.grow(later.log_softmax(-1))
+        tree.grow(later[:1].log_softmax(-1), rows=torch.tensor([1], device="meta"))
+    assert seen.foreign == []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_subspec.step.tree import TreeBatch, TreeShape
-from vllm_subspec.step.paged_kv import CpuVecLayout
+from vllm_subspec.step.paged_kv import CpuVecLayout, cpu_layout
 from vllm_subspec.step.tree_attention import TreeRows, _torch_rows, tree_attention_rows
 
 
@@ -30,6 +30,23 @@ def _ops():
 
 
 BS = 128  # the CPU backend's default block size
+
+
+def has_amx() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and \
+        torch.cpu._is_amx_tile_supported()
+
+
+# vLLM's bf16 attention ISA on CPUs with AMX tiles ("amx", its own KV layout) besides "vec"
+ISAS = [pytest.param("vec"), pytest.param("amx", marks=pytest.mark.skipif(
+    not has_amx(), reason="this CPU has no AMX tiles: vLLM never picks the amx ISA here"))]
+
+
+def isa_dtype(isa, dtype):
+    if isa == "amx" and dtype != torch.bfloat16:
+        pytest.skip("vLLM picks amx for bf16 only")
+    if isa == "amx":
+        torch.cpu._init_amx()  # the tile permission vLLM's CPU worker has (a fresh process not)
 CONFIGS = [(9, 3, 64), (12, 2, 128)]  # heads, kv heads, head dim
 
 
@@ -41,10 +58,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def write(ops, kv, keys, values, slots):
+def write(ops, kv, keys, values, slots, isa="vec"):
     nb, kvh, bs, d2 = kv.shape
     kc, vc = kv.view(nb, kvh, 2 * bs, d2 // 2).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, "vec", k_scale=1.0, v_scale=1.0,
+    ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
                                    kv_cache_dtype="auto")
 
 
@@ -52,13 +69,13 @@ def i32(values):
     return torch.tensor(values, dtype=torch.int32)
 
 
-def decode(ops, q, kv, block_table, seq_len, scale):
+def decode(ops, q, kv, block_table, seq_len, scale, isa="vec"):
     """vLLM's kernel for one decode row (q [heads, d]) at the end of a causal context."""
     nb, kvh, bs, d2 = kv.shape
     md = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=1, num_heads=q.shape[0], num_kv_heads=kvh, head_dim=d2 // 2,
         seq_lens=i32([seq_len]), dtype=q.dtype, query_start_loc=i32([0, 1]), causal=True,
-        sliding_window_size=-1, isa="vec", enable_kv_split=False)
+        sliding_window_size=-1, isa=isa, enable_kv_split=False)
     kc, vc = kv.view(nb, kvh, 2 * bs, d2 // 2).chunk(2, dim=2)
     out = torch.empty(1, *q.shape, dtype=q.dtype)
     ops.cpu_attention_with_kv_cache(
@@ -69,7 +86,7 @@ def decode(ops, q, kv, block_table, seq_len, scale):
     return out[0]
 
 
-def paged_cache(ops, n, kvh, d, dtype, seed):
+def paged_cache(ops, n, kvh, d, dtype, seed, isa="vec"):
     g = torch.Generator().manual_seed(seed)
     blocks = -(-n // BS)
     kv = torch.zeros(blocks + 2, kvh, BS, 2 * d, dtype=dtype)
@@ -77,34 +94,39 @@ def paged_cache(ops, n, kvh, d, dtype, seed):
     keys = (2 * torch.randn(n, kvh, d, generator=g)).to(dtype)
     values = torch.randn(n, kvh, d, generator=g).to(dtype)
     logical = torch.arange(n)
-    write(ops, kv, keys, values, block_table[logical // BS].long() * BS + logical % BS)
+    write(ops, kv, keys, values, block_table[logical // BS].long() * BS + logical % BS, isa)
     return kv, block_table, keys, values
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads, kv_heads, d", CONFIGS)
 @pytest.mark.parametrize("prefix, m", [(0, 5), (125, 6), (300, 4)])
-def test_chain_rows_equal_the_kernel_decode(dtype, heads, kv_heads, d, prefix, m):
+def test_chain_rows_equal_the_kernel_decode(isa, dtype, heads, kv_heads, d, prefix, m):
     """A chain-shaped mask is causal: row r must be the kernel's decode at length L + r + 1
-    (contexts cross the 128-token block boundary for prefix 125)."""
+    (contexts cross the 128-token block boundary for prefix 125), in the cache layout and
+    kernels of each attention ISA."""
     ops = _ops()
-    kv, block_table, _, _ = paged_cache(ops, prefix + m + 3, kv_heads, d, dtype, prefix + d)
+    isa_dtype(isa, dtype)
+    kv, block_table, _, _ = paged_cache(ops, prefix + m + 3, kv_heads, d, dtype, prefix + d, isa)
     q = (2 * torch.randn(m, heads, d, generator=torch.Generator().manual_seed(m))).to(dtype)
     chain = torch.tril(torch.ones(m, m, dtype=torch.bool))
     scale = d ** -0.5
-    out = tree_attention_rows(q, CpuVecLayout(kv), block_table, TreeRows(0, 0, prefix, chain),
-                              scale)
-    ref = torch.stack([decode(ops, q[r], kv, block_table, prefix + r + 1, scale)
+    layout = cpu_layout(kv, isa)
+    out = tree_attention_rows(q, layout, block_table, TreeRows(0, 0, prefix, chain), scale)
+    ref = torch.stack([decode(ops, q[r], kv, block_table, prefix + r + 1, scale, isa)
                        for r in range(m)])
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads, kv_heads, d", CONFIGS)
-def test_tree_rows_equal_decoding_their_own_path(heads, kv_heads, d):
+def test_tree_rows_equal_decoding_their_own_path(isa, heads, kv_heads, d):
     """Each node's row equals plain decoding of that node: a fresh cache holding only the prefix,
     the node's ancestors and itself, contiguously, decoded by the kernel (bf16)."""
     ops = _ops()
     dtype, prefix = torch.bfloat16, 122
+    isa_dtype(isa, dtype)
     g = torch.Generator().manual_seed(d)
     tree = TreeBatch(TreeShape(3, 3), torch.tensor([0]))
     tree.grow(torch.randn(1, 11, generator=g).log_softmax(-1))
@@ -112,11 +134,11 @@ def test_tree_rows_equal_decoding_their_own_path(heads, kv_heads, d):
         tree.grow(torch.randn(1, 3, 11, generator=g).log_softmax(-1))
     mask = tree.mask[0]
     m = mask.shape[0]
-    kv, block_table, keys, values = paged_cache(ops, prefix + m, kv_heads, d, dtype, d)
+    kv, block_table, keys, values = paged_cache(ops, prefix + m, kv_heads, d, dtype, d, isa)
     q = (2 * torch.randn(m, heads, d, generator=g)).to(dtype)
     scale = d ** -0.5
-    out = tree_attention_rows(q, CpuVecLayout(kv), block_table, TreeRows(0, 0, prefix, mask),
-                              scale)
+    out = tree_attention_rows(q, cpu_layout(kv, isa), block_table,
+                              TreeRows(0, 0, prefix, mask), scale)
     for r in range(m):
         visible = list(range(prefix)) + [prefix + j for j in range(m) if mask[r, j]]
         n = len(visible)
@@ -124,8 +146,8 @@ def test_tree_rows_equal_decoding_their_own_path(heads, kv_heads, d):
         table = torch.arange(own.shape[0] - 1, dtype=torch.int32).flip(0)
         logical = torch.arange(n)
         write(ops, own, keys[visible], values[visible],
-              table[logical // BS].long() * BS + logical % BS)
-        assert torch.equal(out[r], decode(ops, q[r], own, table, n, scale)), f"row {r}"
+              table[logical // BS].long() * BS + logical % BS, isa)
+        assert torch.equal(out[r], decode(ops, q[r], own, table, n, scale, isa)), f"row {r}"
 
 
 # ---- the kernel's arithmetic, emulated in torch (vec ISA, x86 AVX-512 build) -----------------
@@ -246,8 +268,9 @@ def test_torch_rows_group_query_heads_like_one_head_at_a_time(heads, kv_heads):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_requests_rows_in_one_kernel_call_equal_each_alone(dtype):
+def test_every_requests_rows_in_one_kernel_call_equal_each_alone(isa, dtype):
     """`apply_tree_attention` runs the rows of every tree request of a forward in one kernel
     call; each request's rows must be bit-identical to its own call (prefixes of 0, 130 and
     300 tokens: no shared block, a block boundary, several blocks), and the layer's output rows
@@ -257,6 +280,7 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(dtype):
     from vllm_subspec.step.tree_attention import TreeMask, TreePlan, apply_tree_attention
 
     ops = _ops()
+    isa_dtype(isa, dtype)
     heads, kv_heads, d = 9, 3, 64
     g = torch.Generator().manual_seed(5)
     kv = torch.zeros(12, kv_heads, BS, 2 * d, dtype=dtype)
@@ -266,7 +290,7 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(dtype):
         logical = torch.arange(n)
         write(ops, kv, (2 * torch.randn(n, kv_heads, d, generator=g)).to(dtype),
               torch.randn(n, kv_heads, d, generator=g).to(dtype),
-              table[logical // BS].long() * BS + logical % BS)
+              table[logical // BS].long() * BS + logical % BS, isa)
     masks = []
     for width, depth in ((3, 3), (2, 4), (4, 2)):
         tree = TreeBatch(TreeShape(width, depth), torch.tensor([0]))
@@ -283,7 +307,7 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(dtype):
     query = (2 * torch.randn(at, heads, d, generator=g)).to(dtype)
     rows = [TreeRows(i, s, prefix, m)
             for i, (s, prefix, m) in enumerate(zip(starts, (0, 130, 300), masks))]
-    alone = [tree_attention_rows(query, CpuVecLayout(kv), tables[r.req_index], r, d ** -0.5)
+    alone = [tree_attention_rows(query, cpu_layout(kv, isa), tables[r.req_index], r, d ** -0.5)
              for r in rows]
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
@@ -293,7 +317,7 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(dtype):
     mask.attach(impl)
     output = torch.full((at, heads * d), 7.0, dtype=dtype)
     with mask.active(TreePlan(rows)):
-        apply_tree_attention(impl, SimpleNamespace(isa="vec"), query, kv,
+        apply_tree_attention(impl, SimpleNamespace(isa=isa), query, kv,
                              SimpleNamespace(block_table=tables), output)
     out = output.view(at, heads, d)
     for r, ref in zip(rows, alone):

@@ -74,7 +74,7 @@ def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None) -> Tree
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
         impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the reader
-        kv_caches = lambda: [(impl, kv)]  # noqa: E731
+        kv_caches = lambda: [(impl, kv, "vec")]  # noqa: E731
     step = TreeVerifier(runner, session(), kv_caches)
     step.session.verifying = dict(trees)
     return step

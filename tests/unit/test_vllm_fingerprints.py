@@ -51,8 +51,6 @@ WRAP_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {
         "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",),
     ("rejection_sampler", "expand_batch_to_tokens"): (
         "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",),
-    ("CPUAttentionMetadataBuilder", "__init__"): (
-        "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",),
 }
 
 # Fingerprinted functions whose 0.33.0 source differs from 0.32.0's, each with why SubSpec is

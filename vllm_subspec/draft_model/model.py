@@ -86,6 +86,20 @@ class SubstituteSet:
         """The decoder-layer substitutes only: what stands in for `replaced_bytes`."""
         return sum(s.nbytes() for subs in self.layers.values() for s in subs.values())
 
+    def memory_parts(self) -> dict[str, int]:
+        """What the draft holds, by part: the layer substitutes' low-bit weights, the dense
+        twins kept beside CPU substitutes (`substitute.Int4CpuKernel`), the quantized lm_head's
+        low-bit weights (the names of `vllm_hooks.metrics.FIELDS`)."""
+        def twin(sub) -> int:
+            dense = getattr(sub.kernel, "dense", None)
+            return 0 if dense is None else dense.numel() * dense.element_size()
+
+        layers = [s for subs in self.layers.values() for s in subs.values()]
+        head = [self.lm_head] if self.lm_head is not None else []
+        return {"substitute_bytes": sum(s.nbytes() - twin(s) for s in layers),
+                "dense_twin_bytes": sum(twin(s) for s in layers + head),
+                "draft_head_bytes": sum(s.nbytes() - twin(s) for s in head)}
+
     def share(self) -> float:
         """Layer substitute bytes per replaced target byte, like with like (the lm_head is
         an extra copy, not a replacement): 4.5/16 for 4-bit g64 codes with a 16-bit scale

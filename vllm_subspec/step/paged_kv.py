@@ -1,5 +1,5 @@
 """vLLM's paged KV cache as SubSpec reads, writes and moves it: logical positions to slots,
-each backend's per-layer cache layout (`layout_for`), and the KV compaction of accepted paths
+each backend's per-layer cache layout (`layout_for`; on CPU one per attention ISA), and the KV compaction of accepted paths
 (`move_kv`).
 
 A request's logical position p lives in slot block_table[p // block_size] * block_size +
@@ -57,6 +57,74 @@ class CpuVecLayout:
         """Copy the K/V of slots src to slots dst (all sources read before any write)."""
         self.put(dst, *self.gather(src))
 
+    def split_blocks(self, blocks: torch.Tensor, out: CpuVecLayout, first: int) -> None:
+        """Copy cache blocks `blocks` into `out`'s consecutive smaller blocks from `first` on
+        (keys stay transposed per block: [head_dim, block])."""
+        n, per = blocks.numel(), self.block_size // out.block_size
+        h, d, bs = self.kv_heads, self.kv_cache.shape[3] // 2, out.block_size
+        keys = self.keys_t[blocks].view(n, h, d, per, bs).permute(0, 3, 1, 2, 4)
+        values = self.values[blocks].view(n, h, per, bs, d).transpose(1, 2)
+        out.keys_t[first: first + n * per] = keys.reshape(n * per, h, d, bs)
+        out.values[first: first + n * per] = values.reshape(n * per, h, bs, d)
+
+
+class CpuAmxLayout:
+    """vLLM CPU backend, ISA amx (bf16 on CPUs with AMX tiles): the same per-layer cache
+    [num_blocks, kv_heads, block, 2*head_dim], per block and head bs*d key elements then bs*d
+    value elements (the backend views it as [nb, H, 2*bs, d] and chunks dim 2), each packed
+    for AMX tiles as `cpu_attn_reshape_and_cache(isa="amx")` writes them (csrc/cpu/
+    cpu_attn_amx.hpp `reshape_and_cache`; checked against the writer before first use):
+    keys in groups of 16 tokens, head-dim pairs innermost (K[t, e] = keys[t // 16, e // 2,
+    t % 16, e % 2]); values in groups of 16 head-dim elements, token pairs innermost
+    (V[t, e] = values[e // 16, t // 2, e % 16, t % 2]). Needs block % 32 == 0 and
+    head_dim % 32 == 0, which is when vLLM picks amx (`_get_attn_isa`)."""
+
+    isa = "amx"
+
+    def __init__(self, kv_cache: torch.Tensor):
+        nb, h, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        parts = kv_cache.view(nb, h, 2, bs * d)
+        self.keys = parts[:, :, 0].view(nb, h, bs // 16, d // 2, 16, 2)
+        self.values = parts[:, :, 1].view(nb, h, d // 16, bs // 2, 16, 2)
+        self.block_size, self.kv_heads, self.head_dim = bs, h, d
+        self.kv_cache = kv_cache
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at absolute slots -> [T, kv_heads, head_dim] each."""
+        blk, off = slots // self.block_size, slots % self.block_size
+        shape = (slots.numel(), self.kv_heads, self.head_dim)
+        k = self.keys[blk, :, off // 16, :, off % 16, :]  # [T, H, d/2, 2]
+        v = self.values[blk, :, :, off // 2, :, off % 2]  # [T, H, d/16, 16]
+        return k.reshape(shape), v.reshape(shape)
+
+    def put(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K, V ([T, kv_heads, head_dim]) at absolute slots (the inverse of `gather`)."""
+        blk, off = slots // self.block_size, slots % self.block_size
+        t, h, d = slots.numel(), self.kv_heads, self.head_dim
+        self.keys[blk, :, off // 16, :, off % 16, :] = k.reshape(t, h, d // 2, 2)
+        self.values[blk, :, :, off // 2, :, off % 2] = v.reshape(t, h, d // 16, 16)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots src to slots dst (all sources read before any write)."""
+        self.put(dst, *self.gather(src))
+
+    def split_blocks(self, blocks: torch.Tensor, out: CpuAmxLayout, first: int) -> None:
+        """Copy cache blocks `blocks` into `out`'s consecutive smaller blocks from `first` on
+        (both layouts tile tokens in groups of 16 or 2, so a block splits without repacking)."""
+        n, per = blocks.numel(), self.block_size // out.block_size
+        h, d, bs = self.kv_heads, self.head_dim, out.block_size
+        keys = self.keys[blocks].view(n, h, per, bs // 16, d // 2, 16, 2).transpose(1, 2)
+        values = self.values[blocks].view(n, h, d // 16, per, bs // 2, 16, 2) \
+            .permute(0, 3, 1, 2, 4, 5, 6)
+        out.keys[first: first + n * per] = keys.reshape(n * per, h, bs // 16, d // 2, 16, 2)
+        out.values[first: first + n * per] = values.reshape(n * per, h, d // 16, bs // 2, 16, 2)
+
+
+def cpu_layout(kv_cache: torch.Tensor, isa: str | None = None):
+    """The CPU backend's reader for a layer whose attention ISA is `isa` (`layer.isa`)."""
+    return CpuAmxLayout(kv_cache) if isa == "amx" else CpuVecLayout(kv_cache, isa)
+
 
 class FlashAttentionLayout:
     """vLLM FlashAttention, 0.32.0 and 0.33.0: the per-layer cache is the logical view
@@ -92,30 +160,20 @@ class FlashAttentionLayout:
         self.values[blk, off] = v
 
 
-def layout_for(impl, kv_cache: torch.Tensor):
-    """The paged-cache reader for the attention backend `impl` that owns `kv_cache`.
+def layout_for(impl, kv_cache: torch.Tensor, isa: str | None = None):
+    """The paged-cache reader for the attention backend `impl` that owns `kv_cache` (`isa`: the
+    CPU backend's attention ISA for the layer, `layer.isa`).
 
     Trees are only configured with the CPU backend or FlashAttention (pinned on CUDA by
     `engine_rules.apply_platform_rules`); anything else is refused here too rather than
     misread."""
     name = type(impl).__name__
     if name == "CPUAttentionBackendImpl":
-        return CpuVecLayout(kv_cache)
+        return cpu_layout(kv_cache, isa)
     if name == "FlashAttentionImpl":
         return FlashAttentionLayout(kv_cache, impl.head_size)
     raise RuntimeError(f"vllm-subspec: tree attention has no KV cache reader for {name}; "
                        "use the FLASH_ATTN attention backend or tree_width=1")
-
-
-def tree_cpu_attn_isa(isa: str) -> str:
-    """The CPU attention ISA to run when SubSpec drafts trees. vLLM picks "amx" for bf16 on CPUs
-    with AMX tiles; its KV layout is one tree attention cannot read, so those engines run the
-    "vec" kernels (AVX-512, present on every AMX CPU) instead: same results, a slower kernel."""
-    if isa == "amx":
-        logger.info("vllm-subspec: CPU attention ISA amx -> vec for tree drafting (tree "
-                    "attention reads the vec KV layout)")
-        return "vec"
-    return isa
 
 
 _CPU_LAYOUT_CHECKED: dict[str, bool] = {}
@@ -129,7 +187,7 @@ def check_cpu_layout(isa: str, head_dim: int, block_size: int, dtype: torch.dtyp
     from vllm import _custom_ops as ops
 
     ok = False
-    if isa in ("vec", "vec16"):
+    if isa in ("vec", "vec16", "amx"):
         h, t = 2, block_size + 3
         kv = torch.zeros(3, h, block_size, 2 * head_dim, dtype=dtype)
         kc, vc = kv.view(3, h, 2 * block_size, head_dim).chunk(2, dim=2)
@@ -137,20 +195,21 @@ def check_cpu_layout(isa: str, head_dim: int, block_size: int, dtype: torch.dtyp
         slots = torch.arange(t, dtype=torch.int64) + 1
         ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
                                        kv_cache_dtype="auto")
-        gk, gv = CpuVecLayout(kv).gather(slots)
+        gk, gv = cpu_layout(kv, isa).gather(slots)
         ok = torch.equal(gk, k) and torch.equal(gv, v)
     _CPU_LAYOUT_CHECKED[key] = ok
     if not ok:
         raise RuntimeError(
             f"vllm-subspec: tree attention cannot read the CPU KV cache layout of ISA {isa!r} "
-            "(supported: vec, vec16); use tree_width=1 (chain drafting) on this CPU")
+            "(supported: vec, vec16, amx); use tree_width=1 (chain drafting) on this CPU")
 
 
-def move_kv(kv_caches: list[tuple[object, torch.Tensor]], block_table_row: torch.Tensor,
-            table_block_size: int, src_logical: torch.Tensor, dst_logical: torch.Tensor) -> None:
+def move_kv(kv_caches: list[tuple[object, torch.Tensor, str | None]],
+            block_table_row: torch.Tensor, table_block_size: int, src_logical: torch.Tensor,
+            dst_logical: torch.Tensor) -> None:
     """Move K/V between logical positions of one request, in every layer (KV compaction).
 
-    kv_caches: (attention impl, per-layer cache) pairs. Layers whose views alias the same bytes
+    kv_caches: (attention impl, per-layer cache, CPU attention ISA or None) per layer. Layers whose views alias the same bytes
     (same data pointer, shape and strides) are moved once. block_table_row holds blocks of
     `table_block_size` tokens (the runner's table: KV-manager blocks); a cache may be viewed in
     smaller kernel blocks (vLLM splits a manager block into `ratio` kernel blocks,
@@ -161,9 +220,9 @@ def move_kv(kv_caches: list[tuple[object, torch.Tensor]], block_table_row: torch
     src = logical_to_slots(block_table_row, src_logical, table_block_size)
     dst = logical_to_slots(block_table_row, dst_logical, table_block_size)
     seen = set()
-    for impl, kv in kv_caches:
+    for impl, kv, isa in kv_caches:
         key = (kv.data_ptr(), tuple(kv.shape), kv.stride())
         if key in seen:
             continue
         seen.add(key)
-        layout_for(impl, kv).move(src, dst)
+        layout_for(impl, kv, isa).move(src, dst)

@@ -46,6 +46,10 @@ from vllm_subspec.step.verify import (
 )
 
 
+# A gap this long between two proposals is the engine waiting for requests, not a step.
+IDLE_GAP_SECONDS = 5.0
+
+
 @dataclass
 class StepStats:
     """Running totals over an engine's steps (benchmarks read them through collective_rpc)."""
@@ -56,6 +60,9 @@ class StepStats:
     draft_seconds: float = 0.0  # wall time in `propose`
     verified_trees: int = 0  # drafted trees walked by the target
     verify_seconds: float = 0.0  # tree verifies: forward start to the end of the walk
+    step_seconds: float = 0.0  # from one proposal's end to the next's, idle gaps left out
+    tree_width: int = 0  # the last proposal's: nodes per depth (1: a chain; 0: no draft)
+    tree_depth: int = 0  # the last proposal's deepest draft handed to vLLM (0: none)
 
 
 @dataclass
@@ -115,6 +122,7 @@ class StepSession:
         if not self.options.is_tree:
             chain = draft_chain(passes, next_token_ids, num_speculative_tokens)
             drafts, num_passes = chain.tokens, chain.passes
+            self.stats.tree_width, self.stats.tree_depth = 1, num_speculative_tokens
         else:
             plan = self.tuner.plan_step(len(req_ids)) if self.tuner is not None \
                 else StepPlan(self.shape, adaptive=False, full_depth=True)
@@ -132,8 +140,10 @@ class StepSession:
                      next_token_ids: torch.Tensor, plan: StepPlan, chain_only: list[bool]):
         if plan.shape.depth == 0:  # plain decoding is predicted faster
             self.stats.plain_steps += 1
+            self.stats.tree_width = self.stats.tree_depth = 0
             return [[] for _ in req_ids], 0
         tuner, k = self.tuner, plan.shape.width
+        self.stats.tree_width = k
         adaptive = tuner is not None and plan.adaptive and not plan.full_depth
         start = self.clock()
         draft = draft_tree(passes, next_token_ids, plan.shape, self.mask,
@@ -141,6 +151,7 @@ class StepSession:
                            (lambda log_mass, reached: tuner.drafting_next(log_mass, k, reached))
                            if adaptive else None, clock=self.clock)
         if tuner is None:  # a fixed shape: k * D tokens each, unless cut short
+            self.stats.tree_depth = max(draft.reached)
             pending = self._keep_pending(req_ids, draft, chain_only)
             if not any(chain_only) and min(draft.reached) == plan.shape.depth:
                 return draft.tree.tokens[:, 1:], draft.passes
@@ -152,6 +163,7 @@ class StepSession:
         tuner.observe_draft(k, len(req_ids), draft.pass_rows, self.clock() - start,
                             draft.root_seconds)
         depths = tuner.verify_depths(log_mass, k, draft.reached)
+        self.stats.tree_depth = max(depths)
         return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, depths)], draft.passes
 
     def _keep_pending(self, req_ids: list[str], draft: TreeDraft, chain_only: list[bool],
@@ -174,6 +186,8 @@ class StepSession:
         less the verify in between (not across an idle engine: the gap must be a step's, not
         a pause's)."""
         verify, self._verify_seconds = self._verify_seconds, None
+        if self._last_draft_end is not None and start - self._last_draft_end < IDLE_GAP_SECONDS:
+            self.stats.step_seconds += end - self._last_draft_end
         if self.tuner is not None and self._last_draft_end is not None and verify:
             other = start - self._last_draft_end - verify
             if other < 4 * (verify + end - start):
@@ -240,10 +254,10 @@ class StepSession:
 
     # ---- 5. compact ----------------------------------------------------------------------
     @staticmethod
-    def compact(moves: list[KvMove], kv_caches: list[tuple[object, torch.Tensor]],
+    def compact(moves: list[KvMove], kv_caches: list[tuple[object, torch.Tensor, str | None]],
                 block_table: torch.Tensor, block_size: int) -> None:
         """Move each accepted path's KV (slots L + a_j) to slots L + j, j = 1..m, in every
-        layer. kv_caches: (attention impl, per-layer cache); block_table: [B, blocks] of
+        layer. kv_caches: (attention impl, per-layer cache, CPU attention ISA); block_table: [B, blocks] of
         `block_size` tokens, the runner's table this step's slots were computed from."""
         for move in moves:
             row = block_table[move.req_index]

@@ -150,11 +150,11 @@ class WidthAcceptance:
         """[max_depth] P(accepted length >= j), j = 1..max_depth. Each depth's rate has the
         depth before's rate as its prior, worth one observation (a tree that survived to depth j
         is about as likely to go on as one at j - 1); depth 1's prior is 0.5."""
-        rate = torch.empty_like(self.hits)
-        prior = 0.5
-        for j in range(len(rate)):
-            prior = rate[j] = (self.hits[j] + prior) / (self.trials[j] + 1.0)
-        return torch.cumprod(rate, 0)
+        rate, prior = [], 0.5  # Python floats: the same float64 arithmetic, no tensor ops
+        for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
+            prior = (hits + prior) / (trials + 1.0)
+            rate.append(prior)
+        return torch.cumprod(torch.tensor(rate, dtype=self.hits.dtype), 0)
 
 
 @dataclasses.dataclass
@@ -259,10 +259,12 @@ class ShapeTuner:
         full = self.acceptance[self.width].steps < 1
         return StepPlan(TreeShape(self.width, self.depth), True, full)
 
-    def predicted_rate(self, width: int, depth: int, batch_size: int) -> float:
-        """Predicted tokens/s of fixed-shape steps (width, depth) over `batch_size` requests."""
-        reach = self.acceptance[width].reach()
-        tokens = batch_size * (1.0 + float(reach[:depth].sum()))
+    def predicted_rate(self, width: int, depth: int, batch_size: int,
+                       reach: list[float] | None = None) -> float:
+        """Predicted tokens/s of fixed-shape steps (width, depth) over `batch_size` requests
+        (reach: the width's `WidthAcceptance.reach()` as a list, if already at hand)."""
+        reach = self.acceptance[width].reach().tolist() if reach is None else reach
+        tokens = batch_size * (1.0 + sum(reach[:depth]))
         rows = batch_size * width
         return tokens / self.step_seconds(width, batch_size, depth - 1, (depth - 1) * rows,
                                           depth * rows)
@@ -287,9 +289,11 @@ class ShapeTuner:
     def _choose(self, batch_size: int) -> None:
         widths = self.widths if self.auto_width else (self.width,)
         depths = range(1, self.max_depth + 1) if self.auto_depth else (self.depth,)
-        best = max(((w, d) for w in widths for d in depths),
-                   key=lambda wd: self.predicted_rate(*wd, batch_size))
-        rate, plain = self.predicted_rate(*best, batch_size), self.plain_rate(batch_size)
+        reach = {w: self.acceptance[w].reach().tolist() for w in widths}  # once per width
+        rates = {(w, d): self.predicted_rate(w, d, batch_size, reach[w])
+                 for w in widths for d in depths}
+        best = max(rates, key=rates.get)  # the first of equal rates, as before
+        rate, plain = rates[best], self.plain_rate(batch_size)
         self.drafting = best
         if self.auto_depth and plain > rate:
             best = (best[0], 0)

@@ -87,7 +87,7 @@ class TreeBatch:
         self.log_mass[sel, d] = torch.logsumexp(top, dim=-1)
         masks = self.mask[sel].gather(1, parent.unsqueeze(-1).expand(-1, -1, self.shape.num_nodes))
         ids = torch.arange(level.start, level.stop, device=dev)
-        masks[:, torch.arange(k), ids] = True
+        masks[:, torch.arange(k, device=dev), ids] = True  # a host index would sync
         self.mask[sel, level] = masks
         self.grown = d
 

@@ -11,8 +11,8 @@ On the CPU backend the tree rows are recomputed by vLLM's own attention kernel, 
 row per tree node over a scratch paged cache that holds exactly that node's context in order
 (the prefix, then its ancestors, then itself), so every row gets the bits plain decoding would
 give that token (`_cpu_kernel_rows`). The cache layout is backend specific
-(`paged_kv.layout_for`; the CPU backend's is checked against its own writer before first use,
-AMX layouts are refused). Other backends (FlashAttention) gather K/V with torch and compute the
+(`paged_kv.layout_for`; the CPU backend's, vec or amx, is checked against its own writer before
+first use). Other backends (FlashAttention) gather K/V with torch and compute the
 masked attention in fp32 (`_torch_rows`).
 """
 
@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_subspec.step.paged_kv import (
+    CpuAmxLayout,
     CpuVecLayout,
     check_cpu_layout,
+    cpu_layout,
     layout_for,
     logical_to_slots,
 )
@@ -85,13 +87,15 @@ def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, 
 
 
 def uses_cpu_kernel(layout, query: torch.Tensor) -> bool:
-    return isinstance(layout, CpuVecLayout) and layout.kv_cache.dtype == query.dtype
+    return isinstance(layout, (CpuVecLayout, CpuAmxLayout)) \
+        and layout.kv_cache.dtype == query.dtype
 
 
 SCRATCH_BLOCK = 32  # tokens per block of the kernel's scratch cache (its tile: 32 tokens)
 
 
-def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, tables: list[torch.Tensor],
+def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
+                     tables: list[torch.Tensor],
                      requests: list[TreeRows], scale: float) -> torch.Tensor:
     """The tree rows of `requests` (each with its block-table row in `tables`) through one call
     of vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`); returns [rows, heads, d],
@@ -106,7 +110,9 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, tables: list[tor
     rounding at the end) is thus reproduced by construction, not imitated; each decode request
     is computed on its own (KV splitting off, as in a decode that is not split across threads,
     always the case with one OMP thread), so batching every request's rows into one call
-    changes no bit (tests/unit/test_tree_attention_kernel.py). Masked slots are simply not in a
+    changes no bit (tests/unit/test_tree_attention_kernel.py). The scratch has the cache's
+    layout and the kernel its ISA (vec/vec16, or amx, whose decode rows are also the same bits
+    in any batch and any block size). Masked slots are simply not in a
     row's context. Small blocks keep the per-row tails (at most 31 prefix tokens and the row's
     path) small: the scratch is written, zeroed and read for every layer of every tree pass.
     """
@@ -124,7 +130,8 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, tables: list[tor
     num_rows = sum(m.shape[0] for m in masks)
     num_tail = sum(m.shape[0] * t for m, t in zip(masks, tails))
     scratch = kv.new_empty(num_prefix + num_tail, kv_heads, bs, kv.shape[3])
-    # the kernel reads V up to its 32-token alignment (times a zero probability)
+    out_layout = cpu_layout(scratch, layout.isa)
+    # the kernel reads V up to its 32-token alignment (times a zero probability: NaN would stay)
     scratch[num_prefix:].zero_()
     req_table = torch.zeros(num_rows, max(full + t for (full, _), t in zip(split, tails)),
                             dtype=torch.int32)
@@ -139,7 +146,8 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, tables: list[tor
             first[:, None] + torch.arange(tail)).to(torch.int32)
         # the prefix's whole scratch blocks, once: whole cache blocks as blocks, then tokens
         whole = full * bs // layout.block_size if layout.block_size % bs == 0 else 0
-        _split_blocks(layout, table[:whole], scratch, prefix_at)
+        if whole:
+            layout.split_blocks(table[:whole], out_layout, prefix_at)
         shared = torch.arange(whole * layout.block_size, full * bs)
         src.append(logical_to_slots(table, shared, layout.block_size))
         dst.append(prefix_at * bs + shared)
@@ -153,7 +161,7 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, tables: list[tor
         dst.append((first[rows] + pos // bs) * bs + pos % bs)
         prefix_at, tail_at, row = prefix_at + full, tail_at + q_len * tail, row + q_len
     k, v = layout.gather(torch.cat(src))
-    CpuVecLayout(scratch).put(torch.cat(dst), k, v)
+    out_layout.put(torch.cat(dst), k, v)
 
     seq_lens = torch.cat([req.prefix_len + s for req, s in zip(requests, seen)]).to(torch.int32)
     starts = torch.arange(num_rows + 1, dtype=torch.int32)
@@ -170,23 +178,6 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout, tables: list[tor
         sliding_window=-1, block_table=req_table, softcap=0.0, scheduler_metadata=metadata,
         s_aux=None)
     return out
-
-
-def _split_blocks(layout: CpuVecLayout, blocks: torch.Tensor, scratch: torch.Tensor,
-                  first: int) -> None:
-    """Copy the cache blocks `blocks` into consecutive scratch blocks from `first` on, each
-    cache block (B tokens) becoming B / SCRATCH_BLOCK scratch blocks (keys stay transposed per
-    block: [head_dim, block])."""
-    n = blocks.numel()
-    if n == 0:
-        return
-    per = layout.block_size // SCRATCH_BLOCK
-    h, d = layout.kv_heads, layout.kv_cache.shape[3] // 2
-    out = CpuVecLayout(scratch)
-    keys = layout.keys_t[blocks].view(n, h, d, per, SCRATCH_BLOCK).permute(0, 3, 1, 2, 4)
-    values = layout.values[blocks].view(n, h, per, SCRATCH_BLOCK, d).permute(0, 2, 1, 3, 4)
-    out.keys_t[first: first + n * per] = keys.reshape(n * per, h, d, SCRATCH_BLOCK)
-    out.values[first: first + n * per] = values.reshape(n * per, h, SCRATCH_BLOCK, d)
 
 
 def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
@@ -221,12 +212,10 @@ def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) ->
     plan = None if mask is None else mask.plan
     if plan is None or attn_metadata is None:
         return
+    isa = getattr(layer, "isa", None)  # the CPU backend's, stamped on the layer
     if type(impl).__name__ == "CPUAttentionBackendImpl":
-        check_cpu_layout(getattr(layer, "isa", "?"), kv_cache.shape[-1] // 2, kv_cache.shape[2],
-                         kv_cache.dtype)
-    layout = layout_for(impl, kv_cache)
-    if isinstance(layout, CpuVecLayout):
-        layout.isa = getattr(layer, "isa", layout.isa)
+        check_cpu_layout(isa or "?", kv_cache.shape[-1] // 2, kv_cache.shape[2], kv_cache.dtype)
+    layout = layout_for(impl, kv_cache, isa)
     block_table = attn_metadata.block_table if hasattr(attn_metadata, "block_table") \
         else attn_metadata.block_table_tensor
     heads = query.shape[1]

@@ -227,36 +227,7 @@ def _patch_cpu_expand() -> None:
           "cpu_expand")
 
 
-# ---- 8. CPU only: tree KV in a layout tree attention reads --------------------------------
-# Target: vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder.__init__ (0.32.0 :132),
-# which picks the attention ISA (`_get_attn_isa` :520: "amx" for bf16 on AMX CPUs) and stamps it
-# on every layer of its group (`_set_isa_to_layers` :169); the layers' KV is written in that
-# ISA's layout. The rule (vec for trees) lives in paged_kv.tree_cpu_attn_isa.
-def _patch_cpu_attention_isa() -> None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
-
-    def make(original):
-        def __init__(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs):
-            original(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs)
-            options = options_from_vllm_config(vllm_config)
-            if options is not None and options.is_tree:
-                from vllm_subspec.step.paged_kv import tree_cpu_attn_isa
-
-                isa = tree_cpu_attn_isa(self.isa)
-                if isa != self.isa:
-                    self.isa = isa
-                    self._set_isa_to_layers(layer_names)
-
-        return __init__
-
-    _wrap(CPUAttentionMetadataBuilder, "__init__", make, "cpu_attention_isa")
-
-
-# ---- 9. tree drafting near max_model_len: per request, not per batch ---------------------
+# ---- 8. tree drafting near max_model_len: per request, not per batch ---------------------
 # Target: vllm.v1.worker.gpu_model_runner.GPUModelRunner._input_fits_in_drafter (0.32.0 :4288,
 # 0.33.0 :4254). vLLM skips the drafter for the whole batch once any request is within
 # num_speculative_tokens (k * D = 288 for the default tree) of max_model_len, and schedules
@@ -282,7 +253,7 @@ def _patch_drafting_near_the_limit() -> None:
     _wrap(GPUModelRunner, "_input_fits_in_drafter", make, "drafting_near_the_limit")
 
 
-# ---- 10. request features SubSpec refuses: one clear error per request --------------------
+# ---- 9. request features SubSpec refuses: one clear error per request --------------------
 # Target: vllm.v1.engine.input_processor.InputProcessor._validate_params (0.32.0 :138, 0.33.0
 # :138), where vLLM refuses min_p and logit_bias for every speculative method (through
 # SamplingParams.verify). The rule is node_constraints.refusal.
@@ -337,7 +308,6 @@ def apply_all() -> bool:
     _patch_tree_verify()
     _patch_attention_backends()
     _patch_cpu_expand()
-    _patch_cpu_attention_isa()
     _patch_drafting_near_the_limit()
     _patch_request_refusals()
     logger.debug("vllm-subspec patches applied in pid %d", os.getpid())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from vllm_subspec.step.node_constraints import chain_only_reason
 from vllm_subspec.step.paged_kv import logical_to_slots
 from vllm_subspec.step.session import StepSession
 from vllm_subspec.step.tree import TreeShape, widest_level
+from vllm_subspec.vllm_hooks.metrics import METRICS_DIR_ENV, StepMetricsFile
 from vllm_subspec.vllm_hooks.prefetch_overlap import PrefetchOverlap
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
@@ -54,6 +56,7 @@ class SubSpecProposer(DraftModelProposer):
         self.session = session  # decides what to draft; owns the tree mask and the tuner
         self._peak_temporaries_profiled = False  # dummy_run: once, in vLLM's profiling pass
         self.prefetch_overlap: PrefetchOverlap | None = None  # set in load_model
+        self.metrics: StepMetricsFile | None = None  # set in load_model (TP rank 0)
 
     # ---- loading -------------------------------------------------------------------------
     def load_model(self, target_model: nn.Module) -> None:
@@ -82,6 +85,13 @@ class SubSpecProposer(DraftModelProposer):
             raise RuntimeError("vllm-subspec: could not map every decoder layer to its attention")
         for name in self._draft_attn_layer_names:  # draft and verify forwards share the mask
             self.session.mask.attach(all_attn[name].impl)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if get_tensor_model_parallel_rank() == 0:  # one writer per engine
+            self.metrics = StepMetricsFile(
+                os.environ.get(METRICS_DIR_ENV),
+                self.vllm_config.parallel_config.data_parallel_rank,
+                substitutes.memory_parts())
         if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now
             substitutes.warm_up(self.vllm_config.scheduler_config.max_num_seqs,
                                 self.options.widths, self.vllm_config.model_config.dtype,
@@ -169,8 +179,11 @@ class SubSpecProposer(DraftModelProposer):
         req_ids = self.runner.input_batch.req_ids[:batch_size]
         chain_only = [chain_only_reason(self.runner.requests[r].sampling_params) is not None
                       for r in req_ids] if self.options.is_tree else None  # a chain is one
-        return self.session.propose(VllmDraftPasses(self, cad, last_verified), req_ids,
-                                    next_token_ids, num_speculative_tokens, chain_only)
+        drafts = self.session.propose(VllmDraftPasses(self, cad, last_verified), req_ids,
+                                      next_token_ids, num_speculative_tokens, chain_only)
+        if self.metrics is not None:
+            self.metrics.record(self.session.stats)
+        return drafts
 
     def bonus_token_metadata(self, cad, num_rejected_tokens_gpu):
         """Decode-shaped metadata whose seq_lens end at the last verified token.
@@ -256,14 +269,15 @@ class SubSpecProposer(DraftModelProposer):
             _token_to_req_indices_cache=None,
         )
 
-    def kv_caches(self) -> list[tuple[object, torch.Tensor]]:
-        """(attention impl, per-layer KV cache) of every decoder layer: the impl picks the
-        cache reader (`paged_kv.layout_for`)."""
+    def kv_caches(self) -> list[tuple[object, torch.Tensor, str | None]]:
+        """(attention impl, per-layer KV cache, CPU attention ISA) of every decoder layer: the
+        impl and the ISA pick the cache reader (`paged_kv.layout_for`)."""
         ctx = self.vllm_config.compilation_config.static_forward_context
         caches = []
         for name in sorted(self._draft_attn_layer_names):
             kv = ctx[name].kv_cache
-            caches.append((ctx[name].impl, kv[0] if isinstance(kv, (list, tuple)) else kv))
+            caches.append((ctx[name].impl, kv[0] if isinstance(kv, (list, tuple)) else kv,
+                           getattr(ctx[name], "isa", None)))
         return caches
 
 

@@ -16,10 +16,10 @@ from vllm_subspec.step.session import StepSession, VerifyRequest
 
 class TreeVerifier:
     def __init__(self, runner, session: StepSession,
-                 kv_caches: Callable[[], list[tuple[object, torch.Tensor]]]):
+                 kv_caches: Callable[[], list[tuple[object, torch.Tensor, str | None]]]):
         self.runner = runner
         self.session = session
-        self.kv_caches = kv_caches  # (attention impl, KV cache) per decoder layer, after load
+        self.kv_caches = kv_caches  # (impl, KV cache, CPU ISA) per decoder layer, after load
 
     def prepare_verify(self, scheduler_output) -> None:
         """After vLLM's `_prepare_inputs` laid the scheduled drafts out as a chain."""
