@@ -109,6 +109,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _server_env(env) -> dict:
+    """The server's environment: this process's, less the SubSpec metrics folder it may have
+    named (each server names its own: vllm_hooks/metrics.py)."""
+    from vllm_subspec.vllm_hooks.metrics import METRICS_DIR_ENV
+
+    return {k: v for k, v in env.items() if k != METRICS_DIR_ENV}
+
+
 def start_server(name: str, model: str, log: Path, spec: dict | None = None, *,
                  ports: Iterable[int] | None = None, env: dict | None = None, **settings) -> Server:
     """Start `vllm serve`, output to `log`. settings: the keyword arguments of `serve_command`
@@ -121,7 +129,7 @@ def start_server(name: str, model: str, log: Path, spec: dict | None = None, *,
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env=dict(os.environ if env is None else env),
+                                env=_server_env(os.environ if env is None else env),
                                 preexec_fn=_die_with_parent)
     return Server(name, proc, f"http://{HOST}:{port}", log)
 

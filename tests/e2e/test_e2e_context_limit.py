@@ -4,7 +4,7 @@ requests that do not, for trees and chains (fp32, greedy).
 Near the limit vLLM itself stops calling the drafter for the whole batch
 (`gpu_model_runner.py` 0.32.0 `_input_fits_in_drafter` :4288, zero drafts :4456-4466): chains
 keep that rule (k tokens from the limit); trees draft on and stop each request at its own limit
-(patches.py #9, step/draft.py), so a request within k * D of the limit does not turn
+(patches.py #8, step/draft.py), so a request within k * D of the limit does not turn
 speculation off for the others ("near": τ measured). Each emitted
 token is re-scored with the plain target (prompt_logprobs over prompt + output, teacher
 forcing): every one must be its greedy choice.

@@ -121,3 +121,15 @@ def test_register_names_one_folder_that_child_processes_inherit(monkeypatch):
     plugin.register()  # a child process: inherited, kept
     assert os.environ[METRICS_DIR_ENV] == named
     assert metrics.default_metrics_dir() != named  # unique per front end
+
+
+def test_the_front_end_removes_only_a_folder_it_made(tmp_path, monkeypatch, metrics_dir):
+    removed = []
+    monkeypatch.setattr(metrics.atexit, "register", lambda f, path, **kw: removed.append(path))
+    SubSpecStatLogger(config(True), [0])
+    assert removed == [str(metrics_dir)]  # made here: removed at exit
+    mine = tmp_path / "users-own"
+    (mine / "keep").mkdir(parents=True)
+    monkeypatch.setenv(METRICS_DIR_ENV, str(mine))
+    SubSpecStatLogger(config(True), [0])
+    assert removed == [str(metrics_dir)]  # a folder that existed is left alone

@@ -338,3 +338,23 @@ def test_chain_only_requests_get_their_trees_best_path():
     for i, b in enumerate([3, 8]):  # both are the target's greedy tokens
         assert emitted(step.walk, i) == target_greedy(b, len(emitted(step.walk, i)))
     assert step.walk.paths[1] == list(range(1, len(step.walk.paths[1]) + 1))  # a chain prefix
+
+
+def test_step_seconds_leave_idle_gaps_out():
+    """The step clock behind `vllm:subspec_draft_time_share`: from one proposal's end to the
+    next's, except across an idle gap (or before the first), where a step counts from its own
+    drafting on, so drafting is never more than the step time."""
+    options = SubSpecOptions.from_dict({"tree_width": 1, "tree_depth": 2})
+    clock = FakeClock()  # 10 ms a reading: each proposal drafts for 10 ms
+    session = StepSession(options, clock=clock)
+    propose = lambda: session.propose(StubPasses([5], session.mask), ["a"],  # noqa: E731
+                                      torch.tensor([3]), 2)
+    propose()
+    assert session.stats.step_seconds == pytest.approx(session.stats.draft_seconds)
+    clock.now += 0.5  # a step's verify and the rest of it
+    propose()
+    assert session.stats.step_seconds == pytest.approx(0.01 + 0.51 + 0.01)
+    clock.now += 60.0  # the engine waited for requests
+    propose()
+    assert session.stats.step_seconds == pytest.approx(0.01 + 0.52 + 0.01)
+    assert session.stats.draft_seconds == pytest.approx(0.03)

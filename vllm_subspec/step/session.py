@@ -186,8 +186,9 @@ class StepSession:
         less the verify in between (not across an idle engine: the gap must be a step's, not
         a pause's)."""
         verify, self._verify_seconds = self._verify_seconds, None
-        if self._last_draft_end is not None and start - self._last_draft_end < IDLE_GAP_SECONDS:
-            self.stats.step_seconds += end - self._last_draft_end
+        idle = self._last_draft_end is None or start - self._last_draft_end >= IDLE_GAP_SECONDS
+        # a step after an idle gap (or the first) counts from its own drafting on
+        self.stats.step_seconds += end - (start if idle else self._last_draft_end)
         if self.tuner is not None and self._last_draft_end is not None and verify:
             other = start - self._last_draft_end - verify
             if other < 4 * (verify + end - start):

@@ -10,7 +10,7 @@ the two ends meet in a small memory-mapped file per engine:
 * front end (`SubSpecStatLogger`, vLLM's `vllm.stat_logger_plugins` extension point): registers
   a collector that reads each engine's file when Prometheus scrapes, so values are never stale.
 
-The folder is named by `VLLM_SUBSPEC_METRICS_DIR`, which `plugin.register` sets (if unset) in the
+The folder is named by `SUBSPEC_METRICS_DIR`, which `plugin.register` sets (if unset) in the
 first vLLM process, before vLLM starts its engine processes, which inherit it; the front-end
 logger creates it once the engines are up and removes it at exit. A worker writes nothing
 unless the folder exists, i.e. unless a front end reads it (offline `LLM()` loads no stat logger
@@ -31,7 +31,10 @@ import numpy as np
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
-METRICS_DIR_ENV = "VLLM_SUBSPEC_METRICS_DIR"
+# Not VLLM_-prefixed: vLLM warns about unknown VLLM_* variables (platforms/interface.py
+# `validate_environ`), and a declared one would enter its compile-cache key (envs.py
+# `compile_factors`) with a folder name that changes every start.
+METRICS_DIR_ENV = "SUBSPEC_METRICS_DIR"
 
 # The file's float64 fields, in order. Totals are since the engine started.
 FIELDS = ("draft_steps", "plain_steps", "draft_passes", "draft_seconds", "verify_seconds",
@@ -188,8 +191,9 @@ class SubSpecStatLogger(_stat_logger_base()):
             logger.warning("vllm-subspec: %s is unset in the front end; SubSpec's metrics are "
                            "not exported", METRICS_DIR_ENV)
             return
-        os.makedirs(directory, exist_ok=True)
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        if not os.path.exists(directory):  # remove at exit only what this front end made
+            os.makedirs(directory)
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
         from prometheus_client import REGISTRY
 
         for old in list(REGISTRY._collector_to_names):  # as vLLM's unregister_vllm_metrics

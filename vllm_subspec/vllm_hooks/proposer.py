@@ -90,7 +90,9 @@ class SubSpecProposer(DraftModelProposer):
         if get_tensor_model_parallel_rank() == 0:  # one writer per engine
             self.metrics = StepMetricsFile(
                 os.environ.get(METRICS_DIR_ENV),
-                self.vllm_config.parallel_config.data_parallel_rank,
+                # the engine index the front end labels stats with (core_client.py 0.32.0
+                # :717-724); data_parallel_rank is reset to 0 in each dense-model engine
+                self.vllm_config.parallel_config.data_parallel_index,
                 substitutes.memory_parts())
         if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now
             substitutes.warm_up(self.vllm_config.scheduler_config.max_num_seqs,
