@@ -1,6 +1,6 @@
 """vLLM's paged KV cache as SubSpec reads, writes and moves it: logical positions to slots,
-each backend's per-layer cache layout (`layout_for`; on CPU one per attention ISA), and the KV compaction of accepted paths
-(`move_kv`).
+each backend's per-layer cache layout (`layout_for`; on CPU one per attention ISA), and the KV
+compaction of accepted paths (`move_kv`).
 
 A request's logical position p lives in slot block_table[p // block_size] * block_size +
 p % block_size. The layouts are the backends' own (cited per class), read through views so
@@ -209,12 +209,13 @@ def move_kv(kv_caches: list[tuple[object, torch.Tensor, str | None]],
             dst_logical: torch.Tensor) -> None:
     """Move K/V between logical positions of one request, in every layer (KV compaction).
 
-    kv_caches: (attention impl, per-layer cache, CPU attention ISA or None) per layer. Layers whose views alias the same bytes
-    (same data pointer, shape and strides) are moved once. block_table_row holds blocks of
-    `table_block_size` tokens (the runner's table: KV-manager blocks); a cache may be viewed in
-    smaller kernel blocks (vLLM splits a manager block into `ratio` kernel blocks,
-    kv_cache_interface.py 0.32.0 :396-414), and a flat slot number is the same in both views,
-    so slots are computed at the table's block size and each layout splits them at its own."""
+    kv_caches: (attention impl, per-layer cache, CPU attention ISA or None) per layer. Layers
+    whose views alias the same bytes (same data pointer, shape and strides) are moved once.
+    block_table_row holds blocks of `table_block_size` tokens (the runner's table: KV-manager
+    blocks); a cache may be viewed in smaller kernel blocks (vLLM splits a manager block into
+    `ratio` kernel blocks, kv_cache_interface.py 0.32.0 :396-414), and a flat slot number is the
+    same in both views, so slots are computed at the table's block size and each layout splits
+    them at its own."""
     if src_logical.numel() == 0:
         return
     src = logical_to_slots(block_table_row, src_logical, table_block_size)

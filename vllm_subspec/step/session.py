@@ -258,8 +258,9 @@ class StepSession:
     def compact(moves: list[KvMove], kv_caches: list[tuple[object, torch.Tensor, str | None]],
                 block_table: torch.Tensor, block_size: int) -> None:
         """Move each accepted path's KV (slots L + a_j) to slots L + j, j = 1..m, in every
-        layer. kv_caches: (attention impl, per-layer cache, CPU attention ISA); block_table: [B, blocks] of
-        `block_size` tokens, the runner's table this step's slots were computed from."""
+        layer. kv_caches: (attention impl, per-layer cache, CPU attention ISA); block_table:
+        [B, blocks] of `block_size` tokens, the runner's table this step's slots were computed
+        from."""
         for move in moves:
             row = block_table[move.req_index]
             src = move.root + torch.tensor(move.path, dtype=torch.int64, device=row.device)

@@ -260,10 +260,9 @@ class ShapeTuner:
         return StepPlan(TreeShape(self.width, self.depth), True, full)
 
     def predicted_rate(self, width: int, depth: int, batch_size: int,
-                       reach: list[float] | None = None) -> float:
-        """Predicted tokens/s of fixed-shape steps (width, depth) over `batch_size` requests
-        (reach: the width's `WidthAcceptance.reach()` as a list, if already at hand)."""
-        reach = self.acceptance[width].reach().tolist() if reach is None else reach
+                       reach: list[float]) -> float:
+        """Predicted tokens/s of fixed-shape steps (width, depth) over `batch_size` requests;
+        reach: the width's `WidthAcceptance.reach()` as a list (computed once per choice)."""
         tokens = batch_size * (1.0 + sum(reach[:depth]))
         rows = batch_size * width
         return tokens / self.step_seconds(width, batch_size, depth - 1, (depth - 1) * rows,

@@ -28,6 +28,7 @@ import time
 import uuid
 
 import numpy as np
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -41,6 +42,11 @@ FIELDS = ("draft_steps", "plain_steps", "draft_passes", "draft_seconds", "verify
           "step_seconds", "tree_width", "tree_depth", "substitute_bytes", "dense_twin_bytes",
           "draft_head_bytes")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
+# the fields the worker stores after each proposal: field -> `StepStats` attribute
+_STEP_FIELDS = {"draft_steps": "draft_calls", "plain_steps": "plain_steps",
+                "draft_passes": "draft_passes", "draft_seconds": "draft_seconds",
+                "verify_seconds": "verify_seconds", "step_seconds": "step_seconds",
+                "tree_width": "tree_width", "tree_depth": "tree_depth"}
 
 
 def default_metrics_dir() -> str:
@@ -89,9 +95,8 @@ class StepMetricsFile:
             if not self._open():
                 return
             a = self.array
-        a[0], a[1], a[2] = stats.draft_calls, stats.plain_steps, stats.draft_passes
-        a[3], a[4], a[5] = stats.draft_seconds, stats.verify_seconds, stats.step_seconds
-        a[6], a[7] = stats.tree_width, stats.tree_depth
+        for field, attr in _STEP_FIELDS.items():
+            a[_INDEX[field]] = getattr(stats, attr)
 
 
 def read_metrics(path: str) -> dict[str, float] | None:
@@ -170,15 +175,9 @@ class SubSpecCollector:
         yield draft_bytes
 
 
-def _stat_logger_base():
-    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
-
-    return AggregateStatLoggerBase
-
-
-class SubSpecStatLogger(_stat_logger_base()):
-    """vLLM's stat-logger plugin (`vllm.stat_logger_plugins`: `subspec_metrics`), built once per front
-    end for all its engines. For an engine without SubSpec it does nothing."""
+class SubSpecStatLogger(AggregateStatLoggerBase):
+    """vLLM's stat-logger plugin (`vllm.stat_logger_plugins`: `subspec_metrics`), built once
+    per front end for all its engines. For an engine without SubSpec it does nothing."""
 
     def __init__(self, vllm_config, engine_indexes: list[int]):
         from vllm_subspec.config import ADDITIONAL_CONFIG_KEY
