@@ -166,3 +166,15 @@ def step_stats(worker) -> dict:
     import dataclasses
 
     return dataclasses.asdict(worker.model_runner.drafter.session.stats)
+
+
+def draft_compile_state(worker) -> dict:
+    """How the worker's draft forward runs (a collective_rpc target): its class, whether vLLM's
+    compile decorator compiles it (`do_not_compile`: eager) and has (`compiled`), and dynamo's
+    graph-break count in the worker process (fullgraph compiles raise on a break instead)."""
+    from torch._dynamo.utils import counters
+
+    model = worker.model_runner.drafter.model
+    return {"cls": type(model).__name__, "do_not_compile": model.do_not_compile,
+            "compiled": getattr(model, "compiled", False),
+            "graph_breaks": sum(counters["graph_break"].values())}

@@ -17,7 +17,7 @@ from conftest import make_llm, shutdown
 from vllm import SamplingParams
 
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
-from subspec_testing.harness import assert_identical, timed_generate
+from subspec_testing.harness import assert_identical, draft_compile_state, timed_generate
 from subspec_testing.plain_reference import PlainRun
 from subspec_testing import serve
 from subspec_testing.serve import stop_server, wait_healthy
@@ -63,13 +63,20 @@ def plain(smollm2, prompts, server, plain_references):
 def run_compiled(smollm2, prompts, spec, sampled: bool):
     from vllm.config import CompilationMode
 
-    llm = make_llm(smollm2, spec, max_model_len=MAX_MODEL_LEN, **COMPILED)
-    try:
-        assert llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
-        greedy = timed_generate(llm, prompts, GREEDY)
-        outs = llm.generate(prompts, seeded(len(prompts)), use_tqdm=False) if sampled else []
-    finally:
-        shutdown(llm)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
+        llm = make_llm(smollm2, spec, max_model_len=MAX_MODEL_LEN, **COMPILED)
+        try:
+            assert llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
+            greedy = timed_generate(llm, prompts, GREEDY)
+            # the draft forward is compiled too (at start-up, in vLLM's warm-up), in one graph
+            state = llm.collective_rpc(draft_compile_state)[0]
+            assert state == {"cls": "CompiledDraftModel", "do_not_compile": False,
+                             "compiled": True, "graph_breaks": 0}, state
+            outs = llm.generate(prompts, seeded(len(prompts)), use_tqdm=False) \
+                if sampled else []
+        finally:
+            shutdown(llm)
     return greedy, [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -129,4 +136,5 @@ def test_quick_start_server_compiled_matches_plain(smollm2, prompts, plain, serv
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).strip()
     log = server.log_text()
     assert "Warming up model for the compilation" in log  # compile mode: the profiling pass
+    assert "[subspec_draft]" in log  # the draft compiled under its own tag, at start-up
     assert "vllm-subspec layout:" in log

@@ -45,7 +45,8 @@ def probe(tmp_path_factory):
     script = str(SUPPORT / "gemlite_interpreter_probe.py")
     parts = ("fp16", "bf16")  # two single-threaded children: the interpreter is CPU-bound
     procs = {part: subprocess.Popen(
-        [sys.executable, script, str(target), str(tmp / f"{part}.json"), part], env=env,
+        [sys.executable, script, str(target), str(tmp / f"{part}.json"), part, str(tmp)],
+        env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for part in parts}
     result = {"kernels": {}}
     try:
@@ -155,3 +156,24 @@ def test_shim_bf16_rounding_matches_torch():
     assert np.array_equal(ours, values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
     back = shim._bf16_to_f32(ours)
     assert np.array_equal(back, values.to(torch.bfloat16).float().numpy())
+
+
+def test_gemlite_substitute_traces_into_one_graph_without_a_break(probe):
+    """vLLM's compile mode traces the whole draft forward with fullgraph=True
+    (vllm_hooks/draft_compile.py): a GemLite substitute is one custom op in that graph
+    (gemlite's `forward_functional`), and the traced call gives the eager call's output."""
+    dynamo = probe["dynamo"]
+    assert dynamo["error"] is None, dynamo["error"]
+    assert dynamo["traced_calls"] == ["gemlite.forward_functional.default"]
+    assert dynamo["equal_to_eager"]
+
+
+def test_gemlite_autotuning_is_kept_across_starts(probe):
+    """With gemlite's default autotuning, a first start benchmarks several configs for an untuned
+    shape and keeps the winners (`substitute.gemlite_autotune_kept`); a second start, from fresh
+    kernel modules, benchmarks none and computes the same output."""
+    kept = probe["autotune_kept"]
+    first, second = kept["benchmarked"]
+    assert first > 1 and second == 0, kept
+    assert kept["same_output"]
+    assert kept["stored_families"] == ["GEMV_REVSPLITK"]  # the 1-row call's family

@@ -1,6 +1,6 @@
 """Runs gemlite's real Triton kernels under the Triton interpreter (see test_gemlite_interpreter).
 
-Usage: TRITON_INTERPRET=1 python gemlite_interpreter_probe.py GEMLITE_DIR OUT_JSON PART
+Usage: TRITON_INTERPRET=1 python gemlite_interpreter_probe.py GEMLITE_DIR OUT_JSON PART TMP_DIR
 GEMLITE_DIR holds a `pip install --no-deps --target` copy of gemlite==0.6.0.post2. PART is
 "fp16" (fp16 kernels, packing, warm-up coverage) or "bf16" (bf16 kernels): the two run in
 parallel. Writes measurements as JSON; the test asserts on them.
@@ -188,17 +188,79 @@ def warm_up_results(qw, max_num_seqs, tree_width):
     }
 
 
+def dynamo_results(qw) -> dict:
+    """In vLLM's compile mode the draft forward is one fullgraph dynamo trace
+    (vllm_hooks/draft_compile.py): a GemLite substitute must trace without a graph break, and
+    the traced call must give the eager call's output."""
+    sub = SubstituteLinear(GemliteKernel(qw, torch.float16), None, "layers.0.o_proj",
+                           in_features=K)
+    x = torch.randn(1, K).to(torch.float16)
+    traced = []
+
+    def backend(gm, example_inputs):  # records the graph's calls; runs it as traced
+        traced.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(lambda x: sub(x)[0], fullgraph=True, dynamic=True, backend=backend)
+    try:
+        y, error = compiled(x), None
+    except Exception as e:  # a graph break under fullgraph, or anything dynamo cannot trace
+        y, error = None, f"{type(e).__name__}: {str(e)[:2000]}"
+    return {"error": error, "traced_calls": traced,
+            "equal_to_eager": y is not None and bool(torch.equal(y, sub(x)[0]))}
+
+
+def autotune_kept_results(qw, folder: str) -> dict:
+    """A first and a second engine start, as far as GemLite's autotuning goes: gemlite's own
+    default ("fast": several candidate configs per call signature), its bundled configs dropped
+    so the shape is untuned; each start makes new kernels from fresh kernel modules
+    (`set_autotune` reloads them) and runs them inside `gemlite_autotune_kept`. Counts the
+    candidate configs Triton's autotuner benchmarks (the shim's benchmarker)."""
+    from pathlib import Path
+
+    from triton.runtime import driver
+
+    from vllm_subspec.draft_model.substitute import gemlite_autotune_kept
+
+    benched = []
+    fake = driver.active
+    plain_benchmarker = type(fake).get_benchmarker
+
+    def counting(self):
+        bench = plain_benchmarker(self)
+        return lambda *a, **k: benched.append(1) or bench(*a, **k)
+
+    type(fake).get_benchmarker = counting
+    path = Path(folder) / "autotune.json"
+    x = torch.randn(1, K).to(torch.float16)
+    starts = []
+    for _ in range(2):
+        gemlite.reset_config()
+        gemlite.set_autotune("fast")
+        benched.clear()
+        with gemlite_autotune_kept(path):
+            y = GemliteKernel(qw, torch.float16)(x)
+        starts.append({"benchmarked": len(benched), "output": y})
+    stored = json.loads(path.read_text())
+    return {"benchmarked": [s["benchmarked"] for s in starts],
+            "same_output": bool(torch.equal(starts[0]["output"], starts[1]["output"])),
+            "stored_families": sorted(name for name, cfg in stored.items() if cfg)}
+
+
 def main():
     torch.manual_seed(0)
     weight = (torch.randn(N, K) * 0.05).to(torch.bfloat16)
     qw = quantize(weight, bits=4, group_size=GROUP, method="hqq")
     start = time.perf_counter()
     if sys.argv[3] == "bf16":
-        result = {"kernels": kernel_results(qw, [torch.bfloat16])}
+        result = {"kernels": kernel_results(qw, [torch.bfloat16]),
+                  # last: it switches gemlite to its default autotuning for this process
+                  "autotune_kept": autotune_kept_results(qw, sys.argv[4])}
     else:
         result = {
             "kernels": kernel_results(qw, [torch.float16]),
             "packing": packing_results(qw),
+            "dynamo": dynamo_results(qw),
             "warm_up": {f"{s}x{k}": warm_up_results(qw, s, k) for s, k in ((64, 4), (16, 1))},
         }
     result["seconds"] = time.perf_counter() - start

@@ -75,6 +75,42 @@ def test_int4_cpu_runs_its_dense_twin_from_the_crossover_row_count(weight, monke
 ROWS = [1, 2, 4, 8, 16, 32]
 
 
+
+
+def test_a_compiled_int4_kernel_chooses_its_path_per_call_not_at_trace_time(weight,
+                                                                          monkeypatch):
+    """Inside a compiled draft forward (vLLM's compile mode: one graph for every row count, its
+    guards dropped) the kernel is the opaque `vllm_subspec::int4_cpu_linear`: one trace at 9
+    rows (dense path) still runs int4 at 1 row, bit for bit as eager, and a kernel without a twin
+    traces to the same graph (an empty tensor stands in for the twin)."""
+    import vllm_subspec.draft_model.substitute as substitute
+
+    qw = quantize(weight, bits=4, group_size=64)
+    monkeypatch.setattr(substitute, "dense_crossover", lambda *args: 4)
+    twin = Int4CpuKernel(qw, torch.bfloat16, max_rows=64)
+    no_twin = Int4CpuKernel(qw, torch.bfloat16)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    for kernel in (twin, no_twin):
+        sub = SubstituteLinear(kernel, None, "layers.0.o_proj", in_features=256)
+        # a module's forward, guards dropped: as vLLM compiles (compilation/wrapper.py 0.32.0,
+        # guard_filter_fn)
+        compiled = torch.compile(sub, fullgraph=True, dynamic=True, backend=backend,
+                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+        x9 = torch.randn(9, 256, dtype=torch.bfloat16)
+        assert torch.equal(compiled(x9)[0], kernel(x9))  # traced here, at 9 rows
+        for rows in (1, 3, 4, 9, 17):
+            x = torch.randn(rows, 256, dtype=torch.bfloat16)
+            assert torch.equal(compiled(x)[0], kernel(x)), rows
+    x1 = torch.randn(1, 256, dtype=torch.bfloat16)
+    assert not torch.equal(twin(x1), F.linear(x1, twin.dense))  # the two paths differ at 1 row
+    # one graph, whatever the rows and the twin (dynamo traces 1 row apart: its 0/1
+    # specialization, which vLLM's dropped guards never ask for)
+    assert graphs and all(g == ["vllm_subspec.int4_cpu_linear"] for g in graphs), graphs
 @pytest.mark.parametrize("int4_ms, dense_ms, max_rows, expected", [
     # int4 0.1 + 0.1/row, dense 1.0 + 0.025/row: cross at 12 rows
     ([0.1 + 0.1 * m for m in ROWS], [1.0 + 0.025 * m for m in ROWS], 32, 12),

@@ -17,6 +17,7 @@ from vllm_subspec.draft_model.substitute import quantize
 from vllm_subspec.draft_model.substitute_cache import (
     SubstituteCache,
     default_root,
+    gemlite_autotune_path,
     pack_codes,
     unpack_codes,
     weight_fingerprint,
@@ -195,6 +196,25 @@ def test_default_root(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_root() == tmp_path / "home" / ".cache" / "vllm-subspec" / "substitutes"
+
+
+def test_gemlite_autotuning_is_kept_under_the_cache_folder_only_for_gemlite(monkeypatch,
+                                                                            tmp_path):
+    """The GemLite autotune file sits under the `substitute_cache` folder (default or given),
+    per device name; none when the cache is off or no substitute runs GemLite."""
+    monkeypatch.setattr(substitute_mod, "gemlite_autotune_file",
+                        lambda root, device: root / "gemlite-autotune" / f"{device}.json")
+    gemlite = object.__new__(substitute_mod.GemliteKernel)  # a GemLite kernel, unbuilt
+    int4 = substitute_mod.Int4CpuKernel(quantize(torch.randn(32, 64)), torch.bfloat16)
+    monkeypatch.setenv("VLLM_SUBSPEC_CACHE_DIR", str(tmp_path / "default"))
+    on = SubSpecOptions(substitute_cache=True)
+    assert gemlite_autotune_path(on, [int4, gemlite], "cuda:0") == \
+        tmp_path / "default" / "gemlite-autotune" / "cuda:0.json"
+    given = SubSpecOptions(substitute_cache=str(tmp_path / "given"))
+    assert gemlite_autotune_path(given, [gemlite], "cuda:0").parent.parent == tmp_path / "given"
+    assert gemlite_autotune_path(SubSpecOptions(substitute_cache=False), [gemlite], "cuda:0") \
+        is None
+    assert gemlite_autotune_path(on, [int4], "cuda:0") is None
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")

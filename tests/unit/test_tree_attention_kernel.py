@@ -13,7 +13,15 @@ import torch
 
 from vllm_subspec.step.tree import TreeBatch, TreeShape
 from vllm_subspec.step.paged_kv import CpuVecLayout, cpu_layout
-from vllm_subspec.step.tree_attention import TreeRows, _torch_rows, tree_attention_rows
+from vllm_subspec.step.tree_attention import (
+    TreeMask,
+    TreePlan,
+    TreeRows,
+    _torch_rows,
+    apply_tree_attention,
+    cpu_scratch,
+    tree_attention_rows,
+)
 
 
 def _ops():
@@ -277,8 +285,6 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(isa, dtype):
     of other requests untouched."""
     from types import SimpleNamespace
 
-    from vllm_subspec.step.tree_attention import TreeMask, TreePlan, apply_tree_attention
-
     ops = _ops()
     isa_dtype(isa, dtype)
     heads, kv_heads, d = 9, 3, 64
@@ -323,3 +329,52 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(isa, dtype):
     for r, ref in zip(rows, alone):
         assert torch.equal(out[r.q_start: r.q_start + ref.shape[0]], ref)
     assert (out[masks[0].shape[0]] == 7.0).all()  # the plain row is the backend's
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_scratch_layout_is_computed_once_per_forward(isa, monkeypatch):
+    """Every attention layer of a forward has the same tree rows and block tables: the scratch
+    layout is computed by the first layer's call and reused by the next (another layer's
+    cache), whose rows still equal that layer's own computation; a new plan computes anew."""
+    from types import SimpleNamespace
+
+    import vllm_subspec.step.tree_attention as ta
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    ops, dtype = _ops(), torch.float32 if isa != "amx" else torch.bfloat16
+    isa_dtype(isa, dtype)
+    heads, kv_heads, d = 4, 2, 64
+    g = torch.Generator().manual_seed(7)
+    table = torch.randperm(6, generator=g)[:3].view(1, 3).to(torch.int32)
+    layers = []
+    for _ in range(2):  # two layers' caches, same shape, different K/V
+        kv = torch.zeros(6, kv_heads, BS, 2 * d, dtype=dtype)
+        logical = torch.arange(3 * BS)
+        write(ops, kv, torch.randn(3 * BS, kv_heads, d, generator=g).to(dtype),
+              torch.randn(3 * BS, kv_heads, d, generator=g).to(dtype),
+              table[0][logical // BS].long() * BS + logical % BS, isa)
+        layers.append(kv)
+    tree = TreeBatch(TreeShape(3, 3), torch.tensor([0]))
+    tree.grow(torch.randn(1, 11, generator=g).log_softmax(-1))
+    for _ in range(2):
+        tree.grow(torch.randn(1, 3, 11, generator=g).log_softmax(-1))
+    rows = TreeRows(0, 0, 70, tree.mask[0])
+    query = torch.randn(rows.tree_mask.shape[0], heads, d, generator=g).to(dtype)
+    own = [tree_attention_rows(query, cpu_layout(kv, isa), table[0], rows, d ** -0.5)
+           for kv in layers]
+    assert not torch.equal(own[0], own[1])
+    built = []
+    monkeypatch.setattr(ta, "cpu_scratch", lambda *a: built.append(1) or cpu_scratch(*a))
+    impl = object.__new__(CPUAttentionBackendImpl)
+    impl.scale = d ** -0.5
+    mask = TreeMask()
+    mask.attach(impl)
+    for plans in ([TreePlan([rows])] * 2, [TreePlan([rows]), TreePlan([rows])]):
+        built.clear()
+        for kv, plan, expected in zip(layers, plans, own):
+            output = torch.zeros(query.shape[0], heads * d, dtype=dtype)
+            with mask.active(plan):
+                apply_tree_attention(impl, SimpleNamespace(isa=isa), query, kv,
+                                     SimpleNamespace(block_table=table), output)
+            assert torch.equal(output.view(-1, heads, d), expected)
+        assert len(built) == (1 if plans[0] is plans[1] else 2)

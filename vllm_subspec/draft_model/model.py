@@ -74,6 +74,11 @@ class SubstituteSet:
                 self.twins -= 1
         return freed
 
+    def every(self) -> list[SubstituteLinear]:
+        """Every substitute: the layers' in layer order, then the lm_head's."""
+        return [s for i in sorted(self.layers) for s in self.layers[i].values()] + \
+            ([self.lm_head] if self.lm_head is not None else [])
+
     def count(self) -> int:
         return sum(map(len, self.layers.values())) + (self.lm_head is not None)
 
@@ -285,9 +290,7 @@ def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSp
     subs.built = len(jobs) - subs.cache_hits
     subs.build_seconds = time.perf_counter() - start
     # Substitutes live on the device only: SubSpec adds no host memory to plain offloading.
-    every = [s for subs_i in subs.layers.values() for s in subs_i.values()]
-    every += [subs.lm_head] if subs.lm_head is not None else []
-    stray = [s.source_name for s in every
+    stray = [s.source_name for s in subs.every()
              if any(t.device.type != device.type for t in s.tensors())]
     if stray:
         raise RuntimeError(f"vllm-subspec: substitutes not on {device}: {stray}")

@@ -15,11 +15,13 @@ Kernels:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -133,15 +135,30 @@ class Int4CpuKernel:
             if max_rows > 0 else None
         self.dense = qw.dequantize(self.act_dtype) if self.dense_from_rows is not None else None
 
+    @property
+    def dense(self) -> torch.Tensor | None:
+        """The dense twin, None without one."""
+        return self.twin if self.twin.numel() else None
+
+    @dense.setter
+    def dense(self, value: torch.Tensor | None) -> None:
+        # `twin` is always a tensor (empty without a twin): a compiled draft forward reads
+        # `kernel.twin` whichever substitutes kept one, so one graph serves them all, also
+        # after `SubstituteSet.drop_twins` and from vLLM's on-disk copy of the graph
+        self.twin = value if value is not None else torch.empty(0, dtype=self.act_dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(self.act_dtype).contiguous()
-        if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
-            y = F.linear(x2, self.dense)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2, self.packed, self.group_size, self.scales_and_zeros
-            )
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        x2 = x.reshape(-1, self.in_features)
+        x2 = (x2 if x2.dtype == self.act_dtype else x2.to(self.act_dtype)).contiguous()
+        # Compiled (the draft forward in vLLM's compile mode), through the custom op: dynamo
+        # traces one graph for every row count and vLLM drops its guards, so a branch on the
+        # row count here would be fixed at the traced size for all of them.
+        run = torch.ops.vllm_subspec.int4_cpu_linear if torch.compiler.is_compiling() \
+            else int4_cpu_linear
+        y = run(x2, self.packed, self.scales_and_zeros, self.group_size, self.twin,
+                self.dense_from_rows or 0)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.scales_and_zeros] + ([self.dense] if self.dense is not None
@@ -150,6 +167,21 @@ class Int4CpuKernel:
     @staticmethod
     def warm_up_key(m: int) -> None:
         return None  # an aten op: nothing is compiled per row count
+
+
+def int4_cpu_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                    group_size: int, dense: torch.Tensor, dense_from_rows: int) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] with `Int4CpuKernel`'s tensors: the dense twin from
+    `dense_from_rows` rows on (when there is one: `dense` not empty), else tinygemm int4."""
+    if dense.numel() and x.shape[0] >= dense_from_rows:
+        return F.linear(x, dense)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+# The same function as an operator opaque to torch.compile: the row-count choice stays a runtime
+# decision inside a compiled draft forward (its fake gives the output shape: N = packed rows).
+torch.library.custom_op("vllm_subspec::int4_cpu_linear", int4_cpu_linear, mutates_args=()) \
+    .register_fake(lambda x, packed, *_: x.new_empty(x.shape[0], packed.shape[0]))
 
 
 # Row counts timed to find where a dense matmul overtakes the int4 kernel (those up to the most
@@ -317,6 +349,37 @@ def gemlite_warm_up_key(m: int, closest_m, matmul_type, w_nbits: int = 4) -> tup
     # largest power of two dividing m, capped at 256, and ignored below 16, covers both.
     align = math.gcd(m, 256) if m % 16 == 0 else 1
     return family, tuned, align
+
+
+@contextlib.contextmanager
+def gemlite_autotune_kept(path: Path | None):
+    """GemLite's autotuning results kept across engine starts in `path` (None: not kept).
+
+    Before the block, the stored configs are loaded (`gemlite.load_config`): for a kernel call
+    whose signature is stored, gemlite's config pruner offers only that config
+    (gemlite/triton_kernels/gemm_kernels.py:31-34, the same in every family), so Triton's
+    autotuner benchmarks nothing. After it, every config tuned so far is merged into the file
+    (`gemlite.cache_config`, core.py:839-878). Written against gemlite 0.6.0.post2."""
+    if path is None:
+        yield
+        return
+    import gemlite  # lazy: importing gemlite needs CUDA
+
+    loaded = path.exists() and gemlite.load_config(str(path), print_error=False)
+    yield
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gemlite.cache_config(str(path))
+    logger.info("vllm-subspec: GemLite autotuning %s %s", "reused from and kept in" if loaded
+                else "kept in", path)
+
+
+def gemlite_autotune_file(root: Path, device: torch.device) -> Path:
+    """Where a GPU model's GemLite autotuning is kept: under the substitute cache's root, per
+    gemlite version and device name (configs tuned on one GPU model do not carry over)."""
+    from gemlite import __version__  # lazy: importing gemlite needs CUDA
+
+    name = "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name(device))
+    return root / "gemlite-autotune" / f"gemlite-{__version__}-{name.lower()}.json"
 
 
 def gemlite_available() -> bool:

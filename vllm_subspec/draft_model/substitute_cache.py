@@ -43,6 +43,24 @@ CACHE_FORMAT = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
+def cache_root(setting) -> Path | None:
+    """The folder of the `substitute_cache` option (None/True: the default, False: off)."""
+    if setting is False:
+        return None
+    return default_root() if setting in (None, True) else Path(setting).expanduser()
+
+
+def gemlite_autotune_path(options, kernels, device) -> Path | None:
+    """The file GemLite's autotuning is kept in across starts (`substitute.gemlite_autotune_kept`),
+    or None: no GemLite kernel among `kernels`, or the cache is off."""
+    from vllm_subspec.draft_model.substitute import GemliteKernel, gemlite_autotune_file
+
+    root = cache_root(options.substitute_cache)
+    if root is None or not any(isinstance(k, GemliteKernel) for k in kernels):
+        return None
+    return gemlite_autotune_file(root, device)
+
+
 def default_root() -> Path:
     env = os.environ.get("VLLM_SUBSPEC_CACHE_DIR")
     if env:
@@ -130,9 +148,9 @@ class SubstituteCache:
                ) -> SubstituteCache | None:
         """`setting`: the `substitute_cache` option (None/True: default folder, False: off, or a
         path). None when caching is off or the model's weight files cannot be found."""
-        if setting is False:
+        root = cache_root(setting)
+        if root is None:
             return None
-        root = default_root() if setting in (None, True) else Path(setting).expanduser()
         local = _local_model_dir(model, revision)
         fingerprint = weight_fingerprint(local) if local is not None else None
         if fingerprint is None:

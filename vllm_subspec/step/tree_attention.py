@@ -44,7 +44,12 @@ class TreeRows:
 
 @dataclass
 class TreePlan:
+    """The tree rows of one forward (a plan is active for exactly one forward: `TreeMask`)."""
+
     rows: list[TreeRows] = field(default_factory=list)
+    # what the CPU kernel's scratch layout needs, computed by the forward's first attention
+    # layer and reused by the others (`cpu_scratch`), keyed by the cache's shape and table
+    cpu_scratch: dict = field(default_factory=dict)
 
 
 class TreeMask:
@@ -82,7 +87,8 @@ def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, 
     token); elsewhere a torch fp32 recomputation (`_torch_rows`).
     """
     if uses_cpu_kernel(layout, query):
-        return _cpu_kernel_rows(query, layout, [block_table], [rows], scale)
+        return _cpu_kernel_rows(query, layout, cpu_scratch(layout, [block_table], [rows],
+                                                           query.shape[1], query.dtype), scale)
     return _torch_rows(query, layout, block_table, rows, scale)
 
 
@@ -94,33 +100,35 @@ def uses_cpu_kernel(layout, query: torch.Tensor) -> bool:
 SCRATCH_BLOCK = 32  # tokens per block of the kernel's scratch cache (its tile: 32 tokens)
 
 
-def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
-                     tables: list[torch.Tensor],
-                     requests: list[TreeRows], scale: float) -> torch.Tensor:
-    """The tree rows of `requests` (each with its block-table row in `tables`) through one call
-    of vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`); returns [rows, heads, d],
-    the requests' rows in order.
+@dataclass
+class CpuScratch:
+    """Where `_cpu_kernel_rows` puts each tree row's context, computed once per forward (every
+    layer of a forward has the same requests, masks and block tables; only K/V differ)."""
 
-    Each row becomes one decode request over a scratch paged cache with 32-token blocks: the
-    whole scratch blocks of its request's prefix are filled once and shared by that request's
+    num_blocks: int  # scratch blocks: the shared prefix blocks, then every row's tail blocks
+    num_prefix: int  # the shared prefix blocks (zeroed: never; tails: zeroed every layer)
+    whole: list[tuple[torch.Tensor, int]]  # (cache blocks copied block-wise, first scratch block)
+    src: torch.Tensor  # [T] cache slots copied token-wise ...
+    dst: torch.Tensor  # [T] ... to these scratch token slots
+    query_rows: torch.Tensor  # [rows] the forward's query rows, the requests' in order
+    block_table: torch.Tensor  # [rows, blocks] int32, per decode row of the kernel call
+    seq_lens: torch.Tensor  # [rows] int32
+    query_start_loc: torch.Tensor  # [rows + 1] int32
+    metadata: torch.Tensor  # the kernel's scheduler metadata for these rows
+
+
+def cpu_scratch(layout: CpuVecLayout | CpuAmxLayout, tables: list[torch.Tensor],
+                requests: list[TreeRows], heads: int, dtype: torch.dtype) -> CpuScratch:
+    """The scratch layout of `_cpu_kernel_rows` for `requests` (each with its block-table row
+    in `tables`): every row becomes one decode request over a scratch paged cache with 32-token
+    blocks. The whole scratch blocks of a request's prefix are filled once and shared by its
     rows; each row gets its own tail blocks holding the rest of the prefix followed by the K/V
-    of the tree slots it sees, in slot order (root, ancestors, itself), i.e. exactly the context
-    plain decoding has at that node, at the same positions. The kernel's arithmetic (fp32 FMA
-    dot products, its polynomial exp, lane-wise sums, sequential P·V over 32-token tiles, one
-    rounding at the end) is thus reproduced by construction, not imitated; each decode request
-    is computed on its own (KV splitting off, as in a decode that is not split across threads,
-    always the case with one OMP thread), so batching every request's rows into one call
-    changes no bit (tests/unit/test_tree_attention_kernel.py). The scratch has the cache's
-    layout and the kernel its ISA (vec/vec16, or amx, whose decode rows are also the same bits
-    in any batch and any block size). Masked slots are simply not in a
-    row's context. Small blocks keep the per-row tails (at most 31 prefix tokens and the row's
-    path) small: the scratch is written, zeroed and read for every layer of every tree pass.
-    """
+    of the tree slots it sees, in slot order (root, ancestors, itself), i.e. exactly the
+    context plain decoding has at that node, at the same positions."""
     from vllm import _custom_ops as ops
 
     bs, kv = SCRATCH_BLOCK, layout.kv_cache
     kv_heads, d = kv.shape[1], kv.shape[3] // 2
-    heads = query.shape[1]
     masks = [r.tree_mask.to(device="cpu", dtype=torch.bool) for r in requests]
     seen = [m.sum(1) for m in masks]  # tree slots visible to each row
     cpu_tables = [t.to(device="cpu", dtype=torch.int64) for t in tables]
@@ -129,13 +137,9 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
     num_prefix = sum(full for full, _ in split)  # scratch: [shared prefix blocks][row tails]
     num_rows = sum(m.shape[0] for m in masks)
     num_tail = sum(m.shape[0] * t for m, t in zip(masks, tails))
-    scratch = kv.new_empty(num_prefix + num_tail, kv_heads, bs, kv.shape[3])
-    out_layout = cpu_layout(scratch, layout.isa)
-    # the kernel reads V up to its 32-token alignment (times a zero probability: NaN would stay)
-    scratch[num_prefix:].zero_()
     req_table = torch.zeros(num_rows, max(full + t for (full, _), t in zip(split, tails)),
                             dtype=torch.int32)
-    src, dst = [], []  # logical slots in the KV cache -> token slots in the scratch
+    whole_jobs, src, dst, query_rows = [], [], [], []
     prefix_at, tail_at, row = 0, num_prefix, 0
     for req, table, mask, s, (full, lead), tail in zip(requests, cpu_tables, masks, seen, split,
                                                        tails):
@@ -147,7 +151,7 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
         # the prefix's whole scratch blocks, once: whole cache blocks as blocks, then tokens
         whole = full * bs // layout.block_size if layout.block_size % bs == 0 else 0
         if whole:
-            layout.split_blocks(table[:whole], out_layout, prefix_at)
+            whole_jobs.append((table[:whole], prefix_at))
         shared = torch.arange(whole * layout.block_size, full * bs)
         src.append(logical_to_slots(table, shared, layout.block_size))
         dst.append(prefix_at * bs + shared)
@@ -159,24 +163,55 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
                          lead + torch.arange(r.numel()) - (torch.cumsum(s, 0) - s)[r]])
         src.append(logical_to_slots(table, logical, layout.block_size))
         dst.append((first[rows] + pos // bs) * bs + pos % bs)
+        query_rows.append(req.q_start + torch.arange(q_len))
         prefix_at, tail_at, row = prefix_at + full, tail_at + q_len * tail, row + q_len
-    k, v = layout.gather(torch.cat(src))
-    out_layout.put(torch.cat(dst), k, v)
-
     seq_lens = torch.cat([req.prefix_len + s for req, s in zip(requests, seen)]).to(torch.int32)
     starts = torch.arange(num_rows + 1, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=num_rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
-        seq_lens=seq_lens, dtype=query.dtype, query_start_loc=starts, causal=True,
+        seq_lens=seq_lens, dtype=dtype, query_start_loc=starts, causal=True,
         sliding_window_size=-1, isa=layout.isa, enable_kv_split=False)
-    key_cache, value_cache = scratch.view(scratch.shape[0], kv_heads, 2 * bs, d).chunk(2, dim=2)
-    q = torch.cat([query[r.q_start: r.q_start + m.shape[0]] for r, m in zip(requests, masks)])
-    out = torch.empty(num_rows, heads, d, dtype=query.dtype)
+    return CpuScratch(num_prefix + num_tail, num_prefix, whole_jobs, torch.cat(src),
+                      torch.cat(dst), torch.cat(query_rows), req_table, seq_lens, starts,
+                      metadata)
+
+
+def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
+                     scratch_plan: CpuScratch, scale: float) -> torch.Tensor:
+    """The tree rows of a forward through one call of vLLM's CPU attention kernel
+    (`cpu_attention_with_kv_cache`) over the scratch cache `scratch_plan` lays out
+    (`cpu_scratch`); returns [rows, heads, d], the requests' rows in order.
+
+    The kernel's arithmetic (fp32 FMA dot products, its polynomial exp, lane-wise sums,
+    sequential P·V over 32-token tiles, one rounding at the end) is thus reproduced by
+    construction, not imitated; each decode request is computed on its own (KV splitting off,
+    as in a decode that is not split across threads, always the case with one OMP thread), so
+    batching every request's rows into one call changes no bit
+    (tests/unit/test_tree_attention_kernel.py). The scratch has the cache's layout and the
+    kernel its ISA (vec/vec16, or amx, whose decode rows are also the same bits in any batch
+    and any block size). Masked slots are simply not in a row's context. Small blocks keep the
+    per-row tails (at most 31 prefix tokens and the row's path) small: the scratch is written,
+    zeroed and read for every layer of every tree pass.
+    """
+    from vllm import _custom_ops as ops
+
+    plan, kv = scratch_plan, layout.kv_cache
+    kv_heads, d, heads = kv.shape[1], kv.shape[3] // 2, query.shape[1]
+    scratch = kv.new_empty(plan.num_blocks, kv_heads, SCRATCH_BLOCK, kv.shape[3])
+    out_layout = cpu_layout(scratch, layout.isa)
+    # the kernel reads V up to its 32-token alignment (times a zero probability: NaN would stay)
+    scratch[plan.num_prefix:].zero_()
+    for blocks, first in plan.whole:
+        layout.split_blocks(blocks, out_layout, first)
+    out_layout.put(plan.dst, *layout.gather(plan.src))
+    key_cache, value_cache = scratch.view(scratch.shape[0], kv_heads, 2 * SCRATCH_BLOCK,
+                                          d).chunk(2, dim=2)
+    out = torch.empty(plan.query_rows.numel(), heads, d, dtype=query.dtype)
     ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=key_cache, value_cache=value_cache, output=out,
-        query_start_loc=starts, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
-        sliding_window=-1, block_table=req_table, softcap=0.0, scheduler_metadata=metadata,
-        s_aux=None)
+        query=query[plan.query_rows], key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens, scale=scale, causal=True,
+        alibi_slopes=None, sliding_window=-1, block_table=plan.block_table, softcap=0.0,
+        scheduler_metadata=plan.metadata, s_aux=None)
     return out
 
 
@@ -221,13 +256,15 @@ def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) ->
     heads = query.shape[1]
     out = output.view(output.shape[0], heads, -1)
     if uses_cpu_kernel(layout, query):  # every request's rows in one kernel call
-        res = _cpu_kernel_rows(query, layout, [block_table[r.req_index] for r in plan.rows],
-                               plan.rows, impl.scale)
-        done = 0
-        for rows in plan.rows:
-            n = rows.tree_mask.shape[0]
-            out[rows.q_start: rows.q_start + n] = res[done: done + n]
-            done += n
+        # laid out once per forward: the first layer's call computes it, the others reuse it
+        key = (layout.isa, layout.block_size, tuple(kv_cache.shape[1:]), heads, query.dtype,
+               block_table.data_ptr())
+        scratch = plan.cpu_scratch.get(key)
+        if scratch is None:
+            scratch = plan.cpu_scratch[key] = cpu_scratch(
+                layout, [block_table[r.req_index] for r in plan.rows], plan.rows, heads,
+                query.dtype)
+        out[scratch.query_rows] = _cpu_kernel_rows(query, layout, scratch, impl.scale)
         return
     for rows in plan.rows:
         res = _torch_rows(query, layout, block_table[rows.req_index], rows, impl.scale)

@@ -30,11 +30,14 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_subspec.config import options_from_vllm_config
-from vllm_subspec.draft_model.model import DraftModel, SubstituteSet, decoder_layers
+from vllm_subspec.draft_model.model import SubstituteSet, decoder_layers
+from vllm_subspec.draft_model.substitute import gemlite_autotune_kept
+from vllm_subspec.draft_model.substitute_cache import gemlite_autotune_path
 from vllm_subspec.step.node_constraints import chain_only_reason
 from vllm_subspec.step.paged_kv import logical_to_slots
 from vllm_subspec.step.session import StepSession
 from vllm_subspec.step.tree import TreeShape, widest_level
+from vllm_subspec.vllm_hooks.draft_compile import draft_model
 from vllm_subspec.vllm_hooks.metrics import METRICS_DIR_ENV, StepMetricsFile
 from vllm_subspec.vllm_hooks.prefetch_overlap import PrefetchOverlap
 
@@ -67,7 +70,7 @@ class SubSpecProposer(DraftModelProposer):
                 "vllm-subspec: the target was loaded without SubSpec's weight hook; is the "
                 "plugin enabled in this process (VLLM_PLUGINS)?"
             )
-        self.model = DraftModel(target_model, substitutes, self.device)
+        self.model = draft_model(target_model, substitutes, self.device, self.vllm_config)
         # Prefetch backend: the next verify's first offloaded layers are copied while this
         # proposer drafts, with CUDA graphs too (prefetch_overlap.py); None otherwise.
         from vllm.model_executor.offloader.base import get_offloader
@@ -94,10 +97,14 @@ class SubSpecProposer(DraftModelProposer):
                 # :717-724); data_parallel_rank is reset to 0 in each dense-model engine
                 self.vllm_config.parallel_config.data_parallel_index,
                 substitutes.memory_parts())
-        if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now
-            substitutes.warm_up(self.vllm_config.scheduler_config.max_num_seqs,
-                                self.options.widths, self.vllm_config.model_config.dtype,
-                                self.device)
+        if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now,
+            # with the autotuning of earlier starts (kept in the substitute cache's folder)
+            kernels = [s.kernel for s in substitutes.every()]
+            with gemlite_autotune_kept(gemlite_autotune_path(self.options, kernels,
+                                                             self.device)):
+                substitutes.warm_up(self.vllm_config.scheduler_config.max_num_seqs,
+                                    self.options.widths, self.vllm_config.model_config.dtype,
+                                    self.device)
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
@@ -105,7 +112,8 @@ class SubSpecProposer(DraftModelProposer):
         logger.info(SubstituteSet.of(self.model.target).layout(kv_bytes))
 
     def initialize_cudagraph_keys(self, cudagraph_mode: CUDAGraphMode) -> None:
-        # The draft loops over layers eagerly (the target's compiled graph spans all layers).
+        # Draft passes are never captured (compiled in compile mode: vllm_hooks/draft_compile.py);
+        # their row counts follow the tree frontier, and tree attention runs in Python.
         super().initialize_cudagraph_keys(CUDAGraphMode.NONE)
 
     @torch.inference_mode()
@@ -120,7 +128,8 @@ class SubSpecProposer(DraftModelProposer):
         The draft's layers are the target's, so KV is written only through the slot mappings
         vLLM hands in, as vLLM's own drafters do (`slot_mappings or {}`, llm_base_proposer.py
         0.32.0 :1638-1645): none while the caches are placeholders (nor for a microbatched
-        list). Draft passes run eagerly, so there is nothing to capture. The draft's own
+        list). Draft passes are never captured, so a capture call returns at once (in compile
+        mode the first call here, in `profile_run`, compiles the draft forward). The draft's own
         largest temporaries (`_run_peak_temporaries`) are allocated once, in the first call
         without slot mappings: `profile_run`, which a GPU worker runs first, inside its memory
         profiling (gpu_worker.py :678-693). Not again: the capture warm-ups would add them to
