@@ -171,10 +171,14 @@ def step_stats(worker) -> dict:
 def draft_compile_state(worker) -> dict:
     """How the worker's draft forward runs (a collective_rpc target): its class, whether vLLM's
     compile decorator compiles it (`do_not_compile`: eager) and has (`compiled`), and dynamo's
-    graph-break count in the worker process (fullgraph compiles raise on a break instead)."""
+    graph-break count in the worker process (fullgraph compiles raise on a break instead), and
+    whether the draft's structure is in the config vLLM keys its compile artifacts on."""
     from torch._dynamo.utils import counters
+
+    from vllm_subspec.vllm_hooks.draft_compile import STRUCTURE_KEY
 
     model = worker.model_runner.drafter.model
     return {"cls": type(model).__name__, "do_not_compile": model.do_not_compile,
             "compiled": getattr(model, "compiled", False),
-            "graph_breaks": sum(counters["graph_break"].values())}
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "structure_keyed": STRUCTURE_KEY in model.vllm_config.additional_config}

@@ -11,6 +11,7 @@ from torch import nn
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.draft_model.model import (
     DraftModel,
+    SubstituteSet,
     build_substitutes,
     draft_row_counts,
     substitute_layer,
@@ -393,3 +394,23 @@ def test_gemlite_is_used_only_when_cuda_and_an_importable_gemlite_are_there(monk
     assert not gemlite_available()
     monkeypatch.setitem(sys.modules, "gemlite", types.ModuleType("gemlite"))
     assert gemlite_available()
+
+
+def test_the_draft_structure_keys_vllm_compile_artifacts():
+    """vLLM keys its on-disk compile artifacts on the config's hash and the traced sources only;
+    the draft puts a digest of its structure in the config (vllm_hooks/draft_compile.py), which
+    changes with a substitute's kernel class, the substituted layers and the draft's lm_head."""
+    from vllm_subspec.draft_model.substitute import Int4CpuKernel
+    from vllm_subspec.vllm_hooks.draft_compile import draft_structure
+
+    def subs(kernel_cls, layers=(0, 1), head=False):
+        def linear():
+            return SubstituteLinear(object.__new__(kernel_cls), None, "x", in_features=8)
+
+        return SubstituteSet(num_layers=2, layers={i: {"o_proj": linear()} for i in layers},
+                             lm_head=linear() if head else None)
+
+    base = draft_structure(subs(Int4CpuKernel))
+    assert base == draft_structure(subs(Int4CpuKernel))  # a digest of structure, not identity
+    assert len({base, draft_structure(subs(ReferenceKernel)), draft_structure(subs(
+        Int4CpuKernel, layers=(1,))), draft_structure(subs(Int4CpuKernel, head=True))}) == 4

@@ -10,6 +10,9 @@ is captured of it (the proposer's `initialize_cudagraph_keys`).
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 from torch import nn
 from vllm.compilation.backends import set_model_tag
@@ -29,9 +32,39 @@ class CompiledDraftModel(DraftModel):
     decorator runs the plain forward."""
 
 
+# vLLM keys its on-disk compile artifacts on the config's hash and the traced source files
+# (decorators.py 0.32.0 :561-564, :266-282), not on the objects the graph reads: a draft whose
+# substitutes run another kernel class than at the last start (gemlite installed since, say)
+# would load a graph reading attributes its kernels no longer have. This entry, hashed with
+# the config, keys the artifacts on the draft's structure as well.
+STRUCTURE_KEY = "subspec_draft_structure"
+
+
+def draft_structure(substitutes: SubstituteSet) -> str:
+    """A digest of what a compiled draft graph reads besides vLLM's config: which layers are
+    substituted, each substitute's kernel class, whether the lm_head is the draft's own, and
+    the versions of this package and of gemlite (when a substitute runs it)."""
+    from vllm_subspec import __version__
+
+    kernels = {f"{i}.{name}": type(sub.kernel).__name__
+               for i, subs in substitutes.layers.items() for name, sub in subs.items()}
+    if substitutes.lm_head is not None:
+        kernels["lm_head"] = type(substitutes.lm_head.kernel).__name__
+    versions = {"vllm_subspec": __version__}
+    if "GemliteKernel" in kernels.values():
+        from gemlite import __version__ as gemlite_version  # lazy: importing it needs CUDA
+
+        versions["gemlite"] = gemlite_version
+    text = json.dumps({"kernels": kernels, "versions": versions}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def draft_model(target: nn.Module, substitutes: SubstituteSet, device: torch.device,
                 vllm_config) -> DraftModel:
-    """The draft as the engine runs it: compiled in vLLM's compile mode, under its own tag."""
+    """The draft as the engine runs it: compiled in vLLM's compile mode, under its own tag.
+    Called at load, before the target's or the draft's first compile reads the config hash."""
+    if isinstance(vllm_config.additional_config, dict):
+        vllm_config.additional_config[STRUCTURE_KEY] = draft_structure(substitutes)
     with set_model_tag(DRAFT_MODEL_TAG):
         return CompiledDraftModel(target=target, substitutes=substitutes, device=device,
                                   vllm_config=vllm_config, prefix=DRAFT_MODEL_TAG)
