@@ -54,12 +54,6 @@ def reset_stats(worker) -> None:
     worker.model_runner.drafter.session.stats = StepStats()
 
 
-def read_stats(worker) -> dict:
-    from subspec_testing.harness import step_stats
-
-    return step_stats(worker)
-
-
 def count_operators(worker, on: bool) -> dict:
     """Turn operator counting around the session's `propose` on (counts start at zero) or off;
     returns the counts so far: {"passes": n, "ops": {name: calls}}."""
@@ -98,7 +92,7 @@ def run_mode(model: str, mode: str, args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine
+    from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine, step_stats
 
     kwargs = dict(CPU_ENGINE_KWARGS, dtype="bfloat16", enforce_eager=mode == "eager",
                   max_model_len=max(args.contexts) + args.max_tokens + 64,
@@ -122,7 +116,7 @@ def run_mode(model: str, mode: str, args) -> dict:
                 t = time.perf_counter()
                 llm.generate([prompt] * b, params, use_tqdm=False)
                 seconds = time.perf_counter() - t
-                stats = llm.collective_rpc(read_stats)[0]
+                stats = llm.collective_rpc(step_stats)[0]
                 llm.collective_rpc(count_operators, args=(True,))
                 llm.generate([prompt] * b, short, use_tqdm=False)
                 ops = llm.collective_rpc(count_operators, args=(False,))[0]

@@ -404,11 +404,12 @@ def test_the_draft_structure_keys_vllm_compile_artifacts():
     from vllm_subspec.vllm_hooks.draft_compile import draft_structure
 
     def subs(kernel_cls, layers=(0, 1), head=False):
-        def linear():
-            return SubstituteLinear(object.__new__(kernel_cls), None, "x", in_features=8)
+        def linear(name):  # named as build_substitutes names them
+            return SubstituteLinear(object.__new__(kernel_cls), None, name, in_features=8)
 
-        return SubstituteSet(num_layers=2, layers={i: {"o_proj": linear()} for i in layers},
-                             lm_head=linear() if head else None)
+        return SubstituteSet(num_layers=2,
+                             layers={i: {"o_proj": linear(f"layers.{i}.o_proj")} for i in layers},
+                             lm_head=linear("lm_head") if head else None)
 
     base = draft_structure(subs(Int4CpuKernel))
     assert base == draft_structure(subs(Int4CpuKernel))  # a digest of structure, not identity

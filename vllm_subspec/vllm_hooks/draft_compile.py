@@ -46,10 +46,7 @@ def draft_structure(substitutes: SubstituteSet) -> str:
     the versions of this package and of gemlite (when a substitute runs it)."""
     from vllm_subspec import __version__
 
-    kernels = {f"{i}.{name}": type(sub.kernel).__name__
-               for i, subs in substitutes.layers.items() for name, sub in subs.items()}
-    if substitutes.lm_head is not None:
-        kernels["lm_head"] = type(substitutes.lm_head.kernel).__name__
+    kernels = {sub.source_name: type(sub.kernel).__name__ for sub in substitutes.every()}
     versions = {"vllm_subspec": __version__}
     if "GemliteKernel" in kernels.values():
         from gemlite import __version__ as gemlite_version  # lazy: importing it needs CUDA
