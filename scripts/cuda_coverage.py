@@ -24,7 +24,9 @@ RESULTS = REPO / "benchmarks" / "results"
 # module -> the functions/classes only a CUDA engine runs (and why a CPU engine does not)
 CUDA_ONLY = {
     "step/paged_kv.py": ["FlashAttentionLayout"],
-    "step/tree_attention.py": ["_torch_rows"],
+    "step/tree_attention.py": ["_triton_rows"],
+    "step/tree_attention_triton.py": ["_tree_attention_kernel", "tree_rows_layout",
+                                      "tree_attention_into"],
     "vllm_hooks/engine_rules.py": ["_require_offload", "_no_async_scheduling",
                                    "_pin_flash_attention", "check_final_config",
                                    "tree_cudagraph_mode"],

@@ -1,6 +1,7 @@
 """Tree attention, KV reads and KV compaction on vLLM's FlashAttention cache, executed on CPU.
 
-The CUDA reader (`paged_kv.FlashAttentionLayout`) is run against caches that vLLM's own code
+The tree-attention Triton kernel (`step/tree_attention_triton.py`) runs under the Triton
+interpreter, against a dense fp32 reference. The CUDA reader (`paged_kv.FlashAttentionLayout`) is run against caches that vLLM's own code
 allocates (`allocate_kv_cache`) for every `KVCacheLayout` and that vLLM's own Triton writer fills
 (under the Triton interpreter), in a subprocess (`cuda_kv_layout_probe.py`): TRITON_INTERPRET
 must be set before Triton is imported, and this process imported it with vLLM.
@@ -17,9 +18,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # probes and shims
 
-# bf16 tree rows vs the dense fp32 reference: the rows are computed in fp32 and rounded to bf16
-# once (1 ulp at |x| < 1 is 2**-8 ~ 3.9e-3)
-ATTENTION_TOL = 4e-3
+# bf16 tree rows vs the dense fp32 reference, in bf16 ulps at the reference: the rows are
+# computed in fp32 and converted to bf16 once. A GPU rounds that conversion to nearest (half an
+# ulp); the Triton interpreter truncates it (checked: about half of random fp32 values come out
+# one step lower), so up to one ulp here, plus fp32 summation-order differences where an output
+# is a near-cancelling average of V (seen: 1.017 ulps).
+ATTENTION_ULPS = 1.1
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +41,15 @@ def test_flash_attention_cache_reader(probes, layout):
     r = probes[layout]
     assert r["shape"] == [12, 2, 16, 128]  # the logical [blocks, kv_heads, block, 2*head_dim]
     assert r["gather_exact"], "tokens written by vLLM's writer read back from other slots"
-    assert r["attention_max_err"] < ATTENTION_TOL
+    assert r["attention_ulps"] <= ATTENTION_ULPS
     assert r["hook_without_plan_untouched"]  # no active plan: the backend's output stands
     assert r["hook_rows_exact"] and r["hook_other_rows_untouched"]
+    # every request's rows in one Triton launch per layer call (verify-like and draft-level
+    # batches), each request's rows the same bits as computing it alone, other rows untouched
+    assert r["verify_launches"] == 1 and r["level_launches"] == 1
+    assert r["batched_ulps"] <= ATTENTION_ULPS
+    assert r["batched_equals_one_request_at_a_time"]
+    assert r["batched_other_rows_untouched"]
     assert r["move_exact"], "compaction moved the wrong bytes (overlapping src/dst included)"
     assert r["move_other_request_untouched"]
     # only destination slots change (a moved bf16 value may equal the old one by chance)

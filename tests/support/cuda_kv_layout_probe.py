@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # no
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from vllm_subspec.step import tree_attention  # noqa: E402
+from vllm_subspec.step import tree_attention, tree_attention_triton  # noqa: E402
 from vllm_subspec.step.tree import TreeBatch, TreeShape  # noqa: E402
 from vllm_subspec.step.paged_kv import layout_for, logical_to_slots, move_kv  # noqa: E402
 from vllm_subspec.step.tree_attention import (  # noqa: E402
@@ -88,6 +88,12 @@ def dense_tree_attention(q, keys, values, prefix, mask):
     return torch.stack(out)
 
 
+def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest |got - ref| in units of bf16's spacing at ref (8 significant bits)."""
+    spacing = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0 ** -100))) - 7)
+    return float(((got.float() - ref).abs() / spacing).max())
+
+
 def probe(layout: KVCacheLayout) -> dict:
     torch.manual_seed(0)
     layout_name = layout.name
@@ -122,7 +128,7 @@ def probe(layout: KVCacheLayout) -> dict:
     q = torch.randn(m, HEADS, D, dtype=torch.bfloat16)
     out = tree_attention_rows(q, reader, block_table[1], TreeRows(1, 0, prefix, mask), SCALE)
     ref = dense_tree_attention(q, *(t[: prefix + m] for t in data[1, 1]), prefix, mask)
-    result["attention_max_err"] = float((out.float() - ref).abs().max())
+    result["attention_ulps"] = bf16_ulps(out, ref)
 
     # 3. the backend hook: only the planned request's rows are overwritten
     impl.scale = SCALE
@@ -138,7 +144,55 @@ def probe(layout: KVCacheLayout) -> dict:
     result["hook_rows_exact"] = bool(torch.equal(output[5:].view(m, HEADS, D), out))
     result["hook_other_rows_untouched"] = bool((output[:5] == 7.0).all())
 
-    # 4. compaction: accepted path [2, 5, 11] of request 1 at root 40 moves to 41..43; the
+    # 4. every request's tree rows in one launch: a verify-like batch (trees of different sizes,
+    # masks padded) and a draft level (k rows per request over the same slot count), in the
+    # hook with request 0 placed after request 1 in the forward
+    launches = []
+    kernel = tree_attention_triton._tree_attention_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    tree_attention_triton._tree_attention_kernel = Counted()
+    big = TreeBatch(TreeShape(4, 3), torch.tensor([0, 0]))
+    big.grow(torch.randn(2, 11).log_softmax(-1))
+    for _ in range(2):
+        big.grow(torch.randn(2, 4, 11).log_softmax(-1))
+    batches = {
+        "verify": [TreeRows(1, 3, 37, big.mask[0]), TreeRows(0, 20, 21, big.mask[1, :9, :9])],
+        "level": [TreeRows(1, 3, 37, big.mask[0, 5:9, :9]),
+                  TreeRows(0, 20, 21, big.mask[1, 5:9, :9])],
+    }
+    worst, single_equal, others_untouched = 0.0, True, True
+    for name, reqs in batches.items():
+        query = torch.randn(30, HEADS, D, dtype=torch.bfloat16)
+        output = torch.full((30, HEADS * D), 7.0, dtype=torch.bfloat16)
+        launches.clear()
+        with tree_mask.active(TreePlan(reqs)):
+            tree_attention.apply_tree_attention(impl, None, query, kv1, metadata, output)
+        result[f"{name}_launches"] = len(launches)
+        rows_out = output.view(30, HEADS, D)
+        touched = torch.zeros(30, dtype=torch.bool)
+        for r in reqs:
+            n = r.tree_mask.shape[0]
+            got = rows_out[r.q_start: r.q_start + n]
+            ref = dense_tree_attention(query[r.q_start: r.q_start + n],
+                                       *(t[: r.prefix_len + r.tree_mask.shape[1]]
+                                         for t in data[1, r.req_index]),
+                                       r.prefix_len, r.tree_mask)
+            worst = max(worst, bf16_ulps(got, ref))
+            alone = tree_attention_rows(query, reader, block_table[r.req_index], r, SCALE)
+            single_equal &= bool(torch.equal(got, alone))
+            touched[r.q_start: r.q_start + n] = True
+        others_untouched &= bool((output[~touched] == 7.0).all())
+    tree_attention_triton._tree_attention_kernel = kernel
+    result["batched_ulps"] = worst
+    result["batched_equals_one_request_at_a_time"] = single_equal
+    result["batched_other_rows_untouched"] = others_untouched
+
+    # 5. compaction: accepted path [2, 5, 11] of request 1 at root 40 moves to 41..43; the
     # sources and destinations overlap (42 is both) and cross a block boundary (51 -> block 3)
     before = {name: kv.clone() for name, kv in caches.items()}
     root, path = 40, [2, 5, 11]

@@ -52,6 +52,9 @@ class StubPasses:
         self.calls.append(("bonus", next_token_ids.tolist(), None))
         return DRAFT[next_token_ids], self.roots
 
+    def root_bounds(self, roots):
+        return roots.tolist()
+
     def chain_pass(self, index, input_ids):
         self.calls.append(("chain", input_ids.tolist(), None))
         return DRAFT[input_ids]

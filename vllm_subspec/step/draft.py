@@ -35,6 +35,10 @@ class DraftPasses(Protocol):
     def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's bonus token at p + 1 -> (logits [B, V], the roots' positions L [B])."""
 
+    def root_bounds(self, roots: torch.Tensor) -> list[int]:
+        """Upper bounds of the roots' positions on the host, known without reading `roots` on a
+        device (a sync); exact where reading them is free (CPU)."""
+
     def chain_pass(self, index: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Chain pass `index` >= 1: one token per request, one position further -> [B, V]."""
 
@@ -88,13 +92,19 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
     drafting_next: asked every `check_every` depths (4 on a device, where each check reads the
     masses on the host: a sync; else every depth) which requests draft on; those left out stop
     (their later nodes stay dead), and drafting ends when none is left. None: all go on.
-    A request whose next level would pass max_model_len stops there too; the others go on
-    (`reached` says how deep each got)."""
+    A request whose next level would pass max_model_len stops there too (by the bound of its
+    root's position on a device, so perhaps a level early); the others go on (`reached` says
+    how deep each got). On a device nothing inside the passes reads the device but
+    `drafting_next`'s masses: the roots stay there (each request's tree rows take its root as a
+    0-d tensor) and index tensors are copied from pinned memory without waiting
+    (`device_index`)."""
     b, k = passes.batch_size, shape.width
     check_every = 4 if passes.on_device else 1
     start = clock()
     logits, root_pos = passes.bonus_pass(next_token_ids)
-    roots = root_pos.tolist()  # host copies, read once per step (not per depth)
+    bounds = passes.root_bounds(root_pos)  # host, without a device read
+    # each request's root for its tree rows: exact ints on CPU, 0-d device tensors on a device
+    roots = list(root_pos.unbind()) if passes.on_device else bounds
     tree = TreeBatch(shape, next_token_ids.to(torch.int64))
     tree.grow(sharpened_log_probs(logits, temperature))
     root_seconds = None if passes.on_device else clock() - start
@@ -109,14 +119,14 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
                 break
             if len(going) < len(active):
                 active = going
-                rows = torch.tensor(active, device=root_pos.device)
+                rows = device_index(active, root_pos.device)
         # a request stops before any node of its next level would pass max_model_len
-        fits = [i for i in active if roots[i] + (d + 1) * k < passes.max_model_len]
+        fits = [i for i in active if bounds[i] + (d + 1) * k < passes.max_model_len]
         if not fits:
             break
         if len(fits) < len(active):
             active = fits
-            rows = torch.tensor(active, device=root_pos.device)
+            rows = device_index(active, root_pos.device)
         logits, forwards = _level_logits(passes, tree, mask, d, roots, active, rows)
         tree.grow(sharpened_log_probs(logits, temperature).view(len(active), k, -1), rows)
         pass_rows.append(len(active) * k)
@@ -126,8 +136,17 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
     return TreeDraft(tree, reached, pass_rows, root_seconds, level_forwards)
 
 
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`, copied from pinned host memory without waiting
+    on CUDA (a plain `torch.tensor(values, device=...)` waits for the stream: a host sync)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
-                  roots: list[int], active: list[int], rows: torch.Tensor | None
+                  roots: list, active: list[int], rows: torch.Tensor | None
                   ) -> tuple[torch.Tensor, int]:
     """The draft's logits at the k depth-d nodes of the `active` requests ([R * k, V]), and
     the forwards that took: one, or one per group of requests when R * k rows would not fit
@@ -141,7 +160,7 @@ def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
         if len(groups) == 1:  # the active requests as they are (rows None: all of them)
             group_rows, subset = rows, None if rows is None else group
         else:
-            group_rows, subset = torch.tensor(group, device=tree.tokens.device), group
+            group_rows, subset = device_index(group, tree.tokens.device), group
         # a chain's ancestor-only mask is the causal one: the backend's result stands
         plan = TreePlan([TreeRows(j, j * k, roots[i], tree.mask[i, level, : level.stop])
                          for j, i in enumerate(group)]) if k > 1 else None

@@ -57,7 +57,9 @@ class StepStats:
     draft_calls: int = 0  # proposals (steps that asked the drafter)
     plain_steps: int = 0  # proposals that drafted nothing: plain decoding predicted faster
     draft_passes: int = 0  # draft forwards
-    draft_seconds: float = 0.0  # wall time in `propose`
+    # wall time in `propose`; for a chain on a device the host's time (the stream is not waited
+    # for: a chain's drafts stay on the device, vLLM consumes them in stream order)
+    draft_seconds: float = 0.0
     verified_trees: int = 0  # drafted trees walked by the target
     verify_seconds: float = 0.0  # tree verifies: forward start to the end of the walk
     step_seconds: float = 0.0  # from one proposal's end to the next's, idle gaps left out
@@ -128,7 +130,8 @@ class StepSession:
                 else StepPlan(self.shape, adaptive=False, full_depth=True)
             drafts, num_passes = self._draft_trees(passes, req_ids, next_token_ids, plan,
                                                    chain_only or [False] * len(req_ids))
-        passes.synchronize()  # the compute stream only: the offloader's copies keep going
+        # no wait for the device here: a tree's host copy (`_keep_pending`) already waited, an
+        # auto shape's tuner too, and a chain's drafts are consumed on the stream
         end = self.clock()
         self._clock_rest_of_step(start, end)
         self.stats.draft_calls += 1

@@ -12,8 +12,10 @@ row per tree node over a scratch paged cache that holds exactly that node's cont
 (the prefix, then its ancestors, then itself), so every row gets the bits plain decoding would
 give that token (`_cpu_kernel_rows`). The cache layout is backend specific
 (`paged_kv.layout_for`; the CPU backend's, vec or amx, is checked against its own writer before
-first use). Other backends (FlashAttention) gather K/V with torch and compute the
-masked attention in fp32 (`_torch_rows`).
+first use). With FlashAttention (CUDA) every request's tree rows are recomputed by one Triton
+kernel that reads the paged cache in place (`tree_attention_triton`). Both are one call per
+layer for all requests, laid out once per forward (`TreePlan.layouts`). A CPU cache whose dtype
+differs from the query's falls back to torch in fp32, per request (`_torch_rows`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from vllm_subspec.step.paged_kv import (
     CpuAmxLayout,
     CpuVecLayout,
+    FlashAttentionLayout,
     check_cpu_layout,
     cpu_layout,
     layout_for,
@@ -38,7 +41,9 @@ class TreeRows:
 
     req_index: int  # row of the request in the attention metadata's block table
     q_start: int  # first query row of the request in this forward
-    prefix_len: int  # L: logical positions [0, L) are visible to every row
+    # L: logical positions [0, L) are visible to every row (in a draft pass on a device, a 0-d
+    # device tensor: the root's position is not read on the host there)
+    prefix_len: int | torch.Tensor
     tree_mask: torch.Tensor  # [q_len, m] bool over logical positions L .. L + m - 1
 
 
@@ -47,9 +52,9 @@ class TreePlan:
     """The tree rows of one forward (a plan is active for exactly one forward: `TreeMask`)."""
 
     rows: list[TreeRows] = field(default_factory=list)
-    # what the CPU kernel's scratch layout needs, computed by the forward's first attention
-    # layer and reused by the others (`cpu_scratch`), keyed by the cache's shape and table
-    cpu_scratch: dict = field(default_factory=dict)
+    # what the kernels read besides K/V (`cpu_scratch`, `tree_rows_layout`), computed by the
+    # forward's first attention layer and reused by the others, keyed by cache shape and table
+    layouts: dict = field(default_factory=dict)
 
 
 class TreeMask:
@@ -84,12 +89,35 @@ def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, 
     Row r sees the prefix [0, L) and the tree slots its mask allows (its ancestors and itself,
     at least one position in all). On the CPU backend this is vLLM's own kernel over exactly those
     positions (`_cpu_kernel_rows`: bit-identical to the decode row plain decoding computes for that
-    token); elsewhere a torch fp32 recomputation (`_torch_rows`).
+    token); with FlashAttention's cache the Triton kernel (`tree_attention_triton`); else a
+    torch fp32 recomputation (`_torch_rows`).
     """
     if uses_cpu_kernel(layout, query):
         return _cpu_kernel_rows(query, layout, cpu_scratch(layout, [block_table], [rows],
                                                            query.shape[1], query.dtype), scale)
+    if isinstance(layout, FlashAttentionLayout):
+        from vllm_subspec.step.tree_attention_triton import tree_rows_layout
+
+        one = TreeRows(0, 0, rows.prefix_len, rows.tree_mask)
+        out = torch.empty(rows.tree_mask.shape[0], *query.shape[1:], dtype=query.dtype,
+                          device=query.device)
+        _triton_rows(out, query[rows.q_start: rows.q_start + out.shape[0]], layout,
+                     block_table[None], tree_rows_layout([one], query.device,
+                                                         query.shape[1] // layout.kv_heads),
+                     scale)
+        return out
     return _torch_rows(query, layout, block_table, rows, scale)
+
+
+def _triton_rows(out: torch.Tensor, query: torch.Tensor, layout: FlashAttentionLayout,
+                 block_table: torch.Tensor, rows, scale: float) -> None:
+    """The Triton kernel over FlashAttention's cache views, in place into `out`. On CPU
+    tensors (only the Triton interpreter runs it there) products are computed in fp32: the
+    interpreter does bf16 arithmetic on raw bits."""
+    from vllm_subspec.step.tree_attention_triton import tree_attention_into
+
+    tree_attention_into(out, query, layout.keys, layout.values, block_table, rows, scale,
+                        upcast=query.device.type != "cuda")
 
 
 def uses_cpu_kernel(layout, query: torch.Tensor) -> bool:
@@ -229,13 +257,13 @@ def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: Tr
     groups = heads // kv_heads  # query head h reads KV head h // groups
     # grouped, not repeated: each KV head's keys serve its `groups` query heads in one matmul
     q = q.view(q_len, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(kv_heads, -1, d)
-    logical = torch.arange(rows.prefix_len + m, device=dev)
+    logical = torch.arange(int(rows.prefix_len) + m, device=dev)
     k, v = layout.gather(logical_to_slots(block_table, logical, layout.block_size))
     k = k.float().transpose(0, 1)  # [kv_heads, L + m, d]
     v = v.float().transpose(0, 1)
     scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [kv_heads, groups * q_len, L + m]
     hidden = (~rows.tree_mask.to(dev)).repeat(groups, 1)  # [groups * q_len, m]
-    scores[:, :, rows.prefix_len:].masked_fill_(hidden.unsqueeze(0), float("-inf"))
+    scores[:, :, int(rows.prefix_len):].masked_fill_(hidden.unsqueeze(0), float("-inf"))
     out = torch.matmul(scores.softmax(-1), v)  # [kv_heads, groups * q_len, d]
     out = out.view(kv_heads, groups, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
     return out.to(query.dtype)
@@ -259,12 +287,22 @@ def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) ->
         # laid out once per forward: the first layer's call computes it, the others reuse it
         key = (layout.isa, layout.block_size, tuple(kv_cache.shape[1:]), heads, query.dtype,
                block_table.data_ptr())
-        scratch = plan.cpu_scratch.get(key)
+        scratch = plan.layouts.get(key)
         if scratch is None:
-            scratch = plan.cpu_scratch[key] = cpu_scratch(
+            scratch = plan.layouts[key] = cpu_scratch(
                 layout, [block_table[r.req_index] for r in plan.rows], plan.rows, heads,
                 query.dtype)
         out[scratch.query_rows] = _cpu_kernel_rows(query, layout, scratch, impl.scale)
+        return
+    if isinstance(layout, FlashAttentionLayout):  # every request's rows in one Triton launch
+        from vllm_subspec.step.tree_attention_triton import tree_rows_layout
+
+        key = ("triton", heads, layout.kv_heads, block_table.data_ptr())
+        rows = plan.layouts.get(key)
+        if rows is None:
+            rows = plan.layouts[key] = tree_rows_layout(plan.rows, query.device,
+                                                        heads // layout.kv_heads)
+        _triton_rows(out, query, layout, block_table, rows, impl.scale)
         return
     for rows in plan.rows:
         res = _torch_rows(query, layout, block_table[rows.req_index], rows, impl.scale)

@@ -35,6 +35,7 @@ from vllm_subspec.draft_model.substitute import gemlite_autotune_kept
 from vllm_subspec.draft_model.substitute_cache import gemlite_autotune_path
 from vllm_subspec.step.node_constraints import chain_only_reason
 from vllm_subspec.step.paged_kv import logical_to_slots
+from vllm_subspec.step.draft import device_index
 from vllm_subspec.step.session import StepSession
 from vllm_subspec.step.tree import TreeShape, widest_level
 from vllm_subspec.vllm_hooks.draft_compile import draft_model
@@ -249,18 +250,19 @@ class SubSpecProposer(DraftModelProposer):
         return self._update_positions_dependent_metadata(positions, cad, b, b, self.block_size)
 
     def tree_pass_metadata(self, cad, root, block_table, slots, d: int, k: int,
-                           active: list[int] | None):
+                           active: list[int] | None, rows: torch.Tensor | None = None):
         """Metadata of the pass over depth-d nodes: k query tokens per request, each request's
         context ending at its last depth-d node (slot L + d*k). root, block_table, slots: of
-        the requests drafting, which are `active` (batch indices; None: all of them), whose
-        other per-request fields are taken here."""
+        the requests drafting, which are `active` (batch indices; None: all of them; `rows`:
+        the same on the device), whose other per-request fields are taken here."""
         b = root.shape[0]
         per_request = {}
         if active is not None:  # the fields vLLM slices per request (its `unpadded`)
             for name in PER_REQUEST_FIELDS:
                 value = getattr(cad, name)
-                if isinstance(value, torch.Tensor):
-                    per_request[name] = value[torch.tensor(active, device=value.device)]
+                if isinstance(value, torch.Tensor):  # host fields by the list: no copy
+                    per_request[name] = value[active] if value.device.type == "cpu" or \
+                        rows is None else value[rows.to(value.device)]
                 elif isinstance(value, np.ndarray):
                     per_request[name] = value[active]
         return dataclasses.replace(
@@ -313,6 +315,15 @@ class VllmDraftPasses:
         self._root = self.positions.clone()
         return self.proposer._forward_logits(self.cad, next_token_ids, 0), self._root
 
+    def root_bounds(self, roots: torch.Tensor) -> list[int]:
+        """On CPU the roots themselves. On a device vLLM's host bound of the verified lengths
+        (`seq_lens_cpu_upper_bound`: rejected drafts not taken off, so >= the root L, which is
+        the verified length), read without a sync; the roots only where vLLM has none."""
+        upper = self.cad.seq_lens_cpu_upper_bound
+        if not self.on_device or upper is None:
+            return roots.tolist()
+        return upper[: self.batch_size].tolist()
+
     def chain_pass(self, index: int, input_ids: torch.Tensor) -> torch.Tensor:
         self.positions = self.proposer._advance_one(self.positions, self.cad)
         return self.proposer._forward_logits(self.cad, input_ids, index)
@@ -330,7 +341,7 @@ class VllmDraftPasses:
         n = root.shape[0] * width
         p.positions[:n] = (root[:, None] + depth).expand(-1, width).reshape(-1)
         step_cad = p.tree_pass_metadata(cad, root, table, slots.reshape(-1), depth, width,
-                                        active)
+                                        active, rows)
         return p._forward_logits(step_cad, tokens, depth)
 
     def _rows(self, active: list[int] | None) -> torch.Tensor | None:
@@ -338,7 +349,7 @@ class VllmDraftPasses:
         if active is None:
             return None
         if self._active[0] is not active:
-            self._active = (active, torch.tensor(active, device=self._root.device))
+            self._active = (active, device_index(active, self._root.device))
         return self._active[1]
 
     def synchronize(self) -> None:

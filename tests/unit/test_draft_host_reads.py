@@ -1,0 +1,162 @@
+"""Nothing inside a step's draft passes reads the device or copies to it and waits.
+
+On CUDA a host read (`.item()`, `.tolist()`, `.cpu()`, a device tensor in an `if`) waits for the
+stream, and so does a plain host-to-device copy (`torch.tensor(list, device=...)`, or a CPU
+index tensor indexing a device tensor). Without a GPU, the step code (`step/draft.py`,
+`step/tree.py`) runs here over PyTorch's "meta" device standing in for it: meta tensors have no
+data, so any host read raises, and a dispatch mode records every operator whose tensors sit on
+both the host and the device (a host-to-device copy), which must be non-blocking (from pinned
+memory on CUDA: `draft.device_index`). The passes are a stub (`MetaPasses`): the real ones
+build vLLM metadata on top of the same code.
+"""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from vllm_subspec.step.draft import draft_chain, draft_tree
+from vllm_subspec.step.tree import TreeShape
+from vllm_subspec.step.tree_attention import TreeMask
+
+VOCAB = 50
+META = torch.device("meta")
+
+
+class MetaPasses:
+    """`DraftPasses` on the meta device: logits without values, roots known to the host only
+    through their bounds (as vLLM's `seq_lens_cpu_upper_bound`)."""
+
+    on_device = True
+
+    def __init__(self, bounds: list[int], mask: TreeMask, max_model_len: int = 1000,
+                 max_rows: int = 1000):
+        self.bounds = bounds
+        self.batch_size = len(bounds)
+        self.max_model_len = max_model_len
+        self.max_rows = max_rows
+        self.mask = mask
+        self.roots_seen = []  # each level pass's tree-row prefix lengths
+
+    def _logits(self, rows: int) -> torch.Tensor:
+        return torch.empty(rows, VOCAB, device=META)
+
+    def bonus_pass(self, next_token_ids):
+        return self._logits(self.batch_size), torch.empty(self.batch_size, dtype=torch.int64,
+                                                          device=META)
+
+    def root_bounds(self, roots):
+        return list(self.bounds)
+
+    def chain_pass(self, index, input_ids):
+        return self._logits(input_ids.shape[0])
+
+    def level_pass(self, depth, width, tokens, active):
+        plan = self.mask.plan
+        self.roots_seen.append([r.prefix_len for r in plan.rows] if plan else None)
+        return self._logits(tokens.shape[0])
+
+    def synchronize(self):
+        raise AssertionError("a draft step waited for the device")
+
+
+class HostDeviceTraffic(TorchDispatchMode):
+    """Records operators that mix host and device tensors (0-d host tensors are scalars,
+    passed by value), and whether their copies are non-blocking. Tensors made from host data
+    straight on the device (`torch.tensor(values, device=...)`: a blocking copy below the
+    dispatcher) are caught one level up (`_FactoryCopies`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocking, self.non_blocking = [], []
+        self._factories = _FactoryCopies(self.blocking)
+
+    def __enter__(self):
+        self._factories.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self._factories.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        host = any(t.device.type == "cpu" and t.dim() > 0 for t in tensors)
+        device = any(t.device.type == "meta" for t in tensors) or \
+            kwargs.get("device") == META
+        if host and device:
+            (self.non_blocking if kwargs.get("non_blocking") else self.blocking).append(
+                str(func))
+        return func(*args, **kwargs)
+
+
+class _FactoryCopies(TorchFunctionMode):
+    def __init__(self, blocking: list):
+        super().__init__()
+        self.blocking = blocking
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and \
+                torch.device(kwargs.get("device") or "cpu").type == "meta":
+            self.blocking.append(func.__name__)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["full", "near_max_model_len", "split_levels"])
+def test_a_tree_step_reads_nothing_from_the_device_inside_its_passes(case):
+    """A fixed-shape tree step over 3 requests: all drafting to the end; one stopping early
+    at max_model_len (the active set changes: a new index tensor); levels wider than one
+    forward (one index tensor per group)."""
+    shape = TreeShape(3, 4)
+    mask = TreeMask()
+    passes = MetaPasses([5, 20, 9], mask,
+                        max_model_len={"near_max_model_len": 30}.get(case, 1000),
+                        max_rows={"split_levels": 7}.get(case, 1000))
+    with HostDeviceTraffic() as traffic:
+        draft = draft_tree(passes, torch.zeros(3, dtype=torch.int64, device=META), shape,
+                           mask, temperature=1.0)
+    assert draft.tree.tokens.device == META
+    assert traffic.blocking == []
+    assert draft.level_forwards == (6 if case == "split_levels" else 3)
+    # the roots of the tree rows stayed on the device: the host never learned them
+    assert all(isinstance(p, torch.Tensor) and p.device == META
+               for level in passes.roots_seen for p in level)
+    if case == "full":
+        assert draft.reached == [4, 4, 4] and traffic.non_blocking == []
+    if case == "near_max_model_len":  # request 1 (bound 20) stops after depth 3: 20 + 4*3 >= 30
+        assert draft.reached == [4, 3, 4]
+        assert traffic.non_blocking, "the changed active set was copied to the device"
+    if case == "split_levels":  # 3 requests x 3 rows, 7 rows per forward: groups [0, 1], [2]
+        assert [len(level) for level in passes.roots_seen] == [2, 1] * 3
+        assert len(traffic.non_blocking) == 6  # one index tensor per group and level
+
+
+def test_a_chain_step_reads_nothing_from_the_device():
+    passes = MetaPasses([5, 20], TreeMask())
+    with HostDeviceTraffic() as traffic:
+        chain = draft_chain(passes, torch.zeros(2, dtype=torch.int64, device=META), 6)
+    assert chain.tokens.shape == (2, 6) and chain.tokens.device == META
+    assert traffic.blocking == [] and traffic.non_blocking == []
+
+
+def test_the_meta_device_catches_a_host_read():
+    """The check itself: a host read inside a step fails here, as it would sync on CUDA."""
+    passes = MetaPasses([5, 20], TreeMask())
+    passes.root_bounds = lambda roots: roots.tolist()  # what draft_tree did before
+    with pytest.raises(NotImplementedError, match="meta"):
+        draft_tree(passes, torch.zeros(2, dtype=torch.int64, device=META), TreeShape(2, 3),
+                   passes.mask, temperature=1.0)
+
+
+@pytest.mark.parametrize("copy", ["host index", "tensor from a list"])
+def test_the_traffic_check_catches_a_blocking_copy(copy):
+    with HostDeviceTraffic() as traffic:
+        x = torch.zeros(4, device=META)
+        if copy == "host index":  # a host index into a device tensor: copied, waited for
+            x[torch.tensor([0, 2])] = 1.0
+        else:  # what draft_tree did when its active set changed
+            torch.tensor([0, 2], device=META)
+    assert traffic.blocking
