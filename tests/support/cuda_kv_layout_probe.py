@@ -52,9 +52,8 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 SCALE = D ** -0.5
 
 
-def build_caches(layout: KVCacheLayout) -> dict[str, torch.Tensor]:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=D,
-                             dtype=torch.bfloat16)
+def build_caches(layout: KVCacheLayout, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=D, dtype=dtype)
     groups = [KVCacheGroupSpec(layer_names=LAYERS, kv_cache_spec=spec)]
     # the fields get_kv_cache_config_from_groups reads (kv_cache_utils.py 0.32.0 :1588-1630)
     vllm_config = types.SimpleNamespace(
@@ -192,7 +191,31 @@ def probe(layout: KVCacheLayout) -> dict:
     result["batched_equals_one_request_at_a_time"] = single_equal
     result["batched_other_rows_untouched"] = others_untouched
 
-    # 5. compaction: accepted path [2, 5, 11] of request 1 at root 40 moves to 41..43; the
+    # 5. the branch a GPU runs: products in the cache's dtype on tensor cores, P rounded to it
+    # for P.V (on CPU tensors the hook computes in fp32, so call the kernel as a GPU would; the
+    # interpreter's fp16 products are exact fp32 sums, unlike its bf16 ones)
+    kv16 = build_caches(layout, torch.float16)[LAYERS[0]]
+    data16 = []
+    for req in range(2):
+        k = torch.randn(60, KV_HEADS, D, dtype=torch.float16)
+        v = torch.randn(60, KV_HEADS, D, dtype=torch.float16)
+        write(kv16, k, v, logical_to_slots(block_table[req], logical, BLOCK))
+        data16.append((k, v))
+    reqs = batches["verify"]
+    query = torch.randn(30, HEADS, D, dtype=torch.float16)
+    out16 = torch.zeros(30, HEADS, D, dtype=torch.float16)
+    reader16 = layout_for(impl, kv16)
+    tree_attention_triton.tree_attention_into(
+        out16, query, reader16.keys, reader16.values, block_table,
+        tree_attention_triton.tree_rows_layout(reqs, query.device, HEADS // KV_HEADS), SCALE,
+        upcast=False)
+    result["fp16_tensor_core_branch_max_err"] = max(
+        float((out16[r.q_start: r.q_start + r.tree_mask.shape[0]].float() - dense_tree_attention(
+            query[r.q_start: r.q_start + r.tree_mask.shape[0]],
+            *(t[: r.prefix_len + r.tree_mask.shape[1]] for t in data16[r.req_index]),
+            r.prefix_len, r.tree_mask)).abs().max()) for r in reqs)
+
+    # 6. compaction: accepted path [2, 5, 11] of request 1 at root 40 moves to 41..43; the
     # sources and destinations overlap (42 is both) and cross a block boundary (51 -> block 3)
     before = {name: kv.clone() for name, kv in caches.items()}
     root, path = 40, [2, 5, 11]

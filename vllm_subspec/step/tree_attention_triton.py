@@ -31,13 +31,18 @@ BLOCK_M = 64
 BLOCK_N = 32
 
 
-@triton.jit
+# Strides are int64, as in vLLM's kernel_unified_attention_2d (triton_unified_attention.py
+# 0.32.0 :71-72, :202-233): a head-major layout (LHBNC) has a KV-head stride of
+# blocks x page x 2d, which times a head index passes 2**31 on a large cache. The mask strides
+# change with every level and batch: not specialized on, so no forward compiles a new variant.
+@triton.jit(do_not_specialize=["stride_mr", "stride_mq"])
 def _tree_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr, block_table_ptr, masks_ptr,
     tiles_ptr, requests_ptr, scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
-    stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_bt, stride_mr, stride_mq,
+    stride_qt: tl.int64, stride_qh: tl.int64, stride_kb: tl.int64, stride_ks: tl.int64,
+    stride_kh: tl.int64, stride_kd: tl.int64, stride_vb: tl.int64, stride_vs: tl.int64,
+    stride_vh: tl.int64, stride_vd: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
+    stride_bt: tl.int64, stride_mr: tl.int64, stride_mq: tl.int64,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -46,11 +51,11 @@ def _tree_attention_kernel(
     kv_head = tl.program_id(1)
     req = tl.load(tiles_ptr + 2 * tile)  # the tile's request, and its first tree row
     first = tl.load(tiles_ptr + 2 * tile + 1)
-    table_row = tl.load(requests_ptr + 5 * req)  # its row in the batch's block table
-    q_start = tl.load(requests_ptr + 5 * req + 1)  # its first query row in this forward
-    q_len = tl.load(requests_ptr + 5 * req + 2)
-    prefix = tl.load(requests_ptr + 5 * req + 3)  # L
-    tree_len = tl.load(requests_ptr + 5 * req + 4)  # m: tree slots L .. L + m - 1
+    table_row = tl.load(requests_ptr + 8 * req)  # its row in the batch's block table
+    q_start = tl.load(requests_ptr + 8 * req + 1)  # its first query row in this forward
+    q_len = tl.load(requests_ptr + 8 * req + 2)
+    prefix = tl.load(requests_ptr + 8 * req + 3)  # L
+    tree_len = tl.load(requests_ptr + 8 * req + 4)  # m: tree slots L .. L + m - 1
 
     offs_m = tl.arange(0, BLOCK_M)
     row = first + offs_m // GROUPS  # tree row of each M entry, and its query head
@@ -109,7 +114,9 @@ class TritonTreeRows:
     has the same requests, rows and masks)."""
 
     tiles: torch.Tensor  # [tiles, 2] int32: (request, first tree row) per program
-    requests: torch.Tensor  # [R, 5] int32: block-table row, first query row, rows, L, m
+    # [R, 8] int32: block-table row, first query row, rows, L, m (padded to 8: `tiles`, packed
+    # after it, stays 32-byte aligned, so Triton's alignment specialization never changes)
+    requests: torch.Tensor
     masks: torch.Tensor  # [R, rows, m] int8: row r of request i sees tree slot L + j
     block_q: int
 
@@ -122,15 +129,15 @@ def tree_rows_layout(requests: list, device: torch.device, groups: int) -> Trito
     block_q = max(1, BLOCK_M // groups)  # tree rows per program
     rows = [r.tree_mask.shape[0] for r in requests]
     on_device = [isinstance(r.prefix_len, torch.Tensor) for r in requests]
-    ints = [[r.req_index, r.q_start, n, 0 if dev else r.prefix_len, r.tree_mask.shape[1]]
-            for r, n, dev in zip(requests, rows, on_device)]
+    ints = [[r.req_index, r.q_start, n, 0 if dev else r.prefix_len, r.tree_mask.shape[1], 0,
+             0, 0] for r, n, dev in zip(requests, rows, on_device)]
     tiles = [v for i, n in enumerate(rows) for first in range(0, n, block_q) for v in (i, first)]
     host = torch.tensor([v for r in ints for v in r] + tiles, dtype=torch.int32)
     if device.type == "cuda":
         host = host.pin_memory()
     packed = host.to(device, non_blocking=True)
-    split = 5 * len(ints)
-    per_request = packed[:split].view(-1, 5)
+    split = 8 * len(ints)
+    per_request = packed[:split].view(-1, 8)
     if any(on_device):
         per_request[:, 3] = torch.stack([
             r.prefix_len.reshape(()) if dev else
@@ -158,12 +165,14 @@ def tree_attention_into(output: torch.Tensor, query: torch.Tensor, keys: torch.T
     heads, d = query.shape[1], query.shape[2]
     kv_heads, page = keys.shape[2], keys.shape[1]
     groups = heads // kv_heads
-    for t in (query, output):
-        assert t.stride(-1) == 1, "the query/output head dimension must be contiguous"
+    for t in (query, output, block_table, rows.masks):
+        assert t.stride(-1) == 1, "the kernel assumes a contiguous last dimension"
     _tree_attention_kernel[(rows.tiles.shape[0], kv_heads)](
         query, keys, values, output, block_table, rows.masks, rows.tiles, rows.requests, scale,
         query.stride(0), query.stride(1), *keys.stride(), *values.stride(), output.stride(0),
         output.stride(1), block_table.stride(0), rows.masks.stride(0), rows.masks.stride(1),
         GROUPS=groups, HEAD_DIM=d, HEAD_DIM_P=triton.next_power_of_2(d), PAGE=page,
         BLOCK_Q=rows.block_q, BLOCK_M=max(BLOCK_M, triton.next_power_of_2(groups)),
-        BLOCK_N=BLOCK_N, UPCAST=upcast)
+        BLOCK_N=BLOCK_N, UPCAST=upcast,
+        # 4 warps spill registers at head_dim 128 on sm_90 (ptxas -v, independent audit)
+        num_warps=8 if d >= 128 else 4)
