@@ -250,7 +250,7 @@ class SubSpecProposer(DraftModelProposer):
         return self._update_positions_dependent_metadata(positions, cad, b, b, self.block_size)
 
     def tree_pass_metadata(self, cad, root, block_table, slots, d: int, k: int,
-                           active: list[int] | None, rows: torch.Tensor | None = None):
+                           active: list[int] | None, rows: torch.Tensor | None):
         """Metadata of the pass over depth-d nodes: k query tokens per request, each request's
         context ending at its last depth-d node (slot L + d*k). root, block_table, slots: of
         the requests drafting, which are `active` (batch indices; None: all of them; `rows`:
@@ -261,8 +261,8 @@ class SubSpecProposer(DraftModelProposer):
             for name in PER_REQUEST_FIELDS:
                 value = getattr(cad, name)
                 if isinstance(value, torch.Tensor):  # host fields by the list: no copy
-                    per_request[name] = value[active] if value.device.type == "cpu" or \
-                        rows is None else value[rows.to(value.device)]
+                    per_request[name] = value[active] if value.device.type == "cpu" \
+                        else value[rows]
                 elif isinstance(value, np.ndarray):
                     per_request[name] = value[active]
         return dataclasses.replace(
