@@ -41,14 +41,24 @@ METHODS = {
     "subspec chain:8": {"method": "subspec", "num_speculative_tokens": 8},
     "subspec tree:6x16": {"method": "subspec", "tree_width": 6, "tree_depth": 16},
     "subspec auto": {"method": "subspec"},
+    # the draft's output projection the other way (issue 22: the head is a cost decision)
+    "subspec chain:4 head:quantized": {"method": "subspec", "num_speculative_tokens": 4,
+                                       "draft_lm_head": "quantized"},
+    "subspec chain:4 head:target": {"method": "subspec", "num_speculative_tokens": 4,
+                                    "draft_lm_head": "target"},
+    "subspec chain:8 head:quantized": {"method": "subspec", "num_speculative_tokens": 8,
+                                       "draft_lm_head": "quantized"},
+    "subspec chain:8 head:target": {"method": "subspec", "num_speculative_tokens": 8,
+                                    "draft_lm_head": "target"},
 }
+DEFAULT_METHODS = [m for m in METHODS if "head:" not in m]
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--name", default="cpu_speed")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -197,24 +207,27 @@ def markdown(report: dict) -> str:
              f"{report['concurrency']} concurrent. SubSpec configs exactly as typed (every layer "
              "4-bit HQQ g64 by default on CPU; `{\"method\": \"subspec\"}` = auto shape). "
              + ("Engines in vLLM's default mode: the target compiled with inductor, as `vllm "
-                "serve` runs it without --enforce-eager (SubSpec's draft passes run eagerly)."
+                "serve` runs it without --enforce-eager (SubSpec's draft forward compiled too)."
                 if mode == "compiled" else "Engines in eager mode (enforce_eager=True)."), "",
              "| method | tok/s (1 at a time) | vs plain | vs ngram | τ | draft passes / token "
-             f"| identical | tok/s ({report['concurrency']} concurrent) | vs plain | identical "
+             f"| ms / draft pass | identical | tok/s ({report['concurrency']} concurrent) | vs plain | identical "
              "| engine start s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ngram = runs.get("ngram")
     for name, r in runs.items():
         if "skipped" in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} |" + " |" * 9)
+            lines.append(f"| {name} | skipped: {r['skipped']} |" + " |" * 10)
             continue
         s, c = r["single"], r["concurrent"]
         vs = (lambda x, base: f"{x / base:.2f}x" if base else "-")
+        passes = s["draft_passes_per_token"] * s["tokens"]
+        pass_ms = f"{1000 * s['draft_seconds'] / passes:.1f}" if passes else "-"
         lines.append(
             f"| {name} | {s['tokens_per_second']:.2f} | "
             f"{vs(s['tokens_per_second'], plain and plain['single']['tokens_per_second'])} | "
             f"{vs(s['tokens_per_second'], ngram and ngram['single']['tokens_per_second'])} | "
-            f"{s['tau']:.2f} | {s['draft_passes_per_token']:.2f} | {r.get('identical_single', '-')} | "
+            f"{s['tau']:.2f} | {s['draft_passes_per_token']:.2f} | {pass_ms} | "
+            f"{r.get('identical_single', '-')} | "
             f"{c['tokens_per_second']:.2f} | "
             f"{vs(c['tokens_per_second'], plain and plain['concurrent']['tokens_per_second'])} | "
             f"{r.get('identical_concurrent', '-')} | {r['start_seconds']:.0f} |")

@@ -52,9 +52,10 @@ def parse_args():
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--tree", default="6x48", help="KxD")
-    ap.add_argument("--max-num-seqs", type=int, default=16,
+    ap.add_argument("--max-num-seqs", type=int, default=8,
                     help="requests in flight at most (the prompts are run one at a time, then "
-                    "as one batch)")
+                    "as one batch); SubSpec's profile holds a verify's logits for this many "
+                    "whole trees (8 x 289 rows of Qwen's 152k vocabulary: 0.7 GB)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--dry-run", action="store_true",
@@ -137,27 +138,32 @@ DRAFT_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 4
 
 
 def profiling_peak_gb(shape: ModelShape, max_num_seqs: int, max_num_batched_tokens: int,
-                      tree_width: int, subspec: bool) -> float:
+                      tree_width: int, tree_depth: int, subspec: bool) -> float:
     """Estimated peak of the temporaries vLLM's profiling pass allocates before it sizes the KV
     cache (what must fit in the reserve): the largest of the forward over
     max_num_batched_tokens (bf16 activations: hidden x 4, gate-up and its product), vLLM's
     sampler warm-up over max_num_seqs rows and, for SubSpec, the tree step's warm-up (2 rows
-    per request) and the draft's widest pass (max_num_seqs x tree_width rows)."""
+    per request), the draft's widest pass (max_num_seqs x tree_width rows) and a tree verify
+    (the bf16 logits of every node of max_num_seqs trees, within max_num_batched_tokens, with
+    one chunk of max_num_seqs rows drawn: `proposer._run_peak_temporaries`)."""
     t, v = max_num_batched_tokens, shape.vocab
     forward = 2 * t * (4 * shape.hidden + 3 * shape.intermediate)
     phases = [forward, max_num_seqs * v * SAMPLER_BYTES_PER_LOGIT]
     if subspec:
+        verify_rows = min(t, max_num_seqs * (tree_width * tree_depth + 1))
         phases += [2 * max_num_seqs * v * TREE_STEP_BYTES_PER_LOGIT,
-                   max_num_seqs * tree_width * v * DRAFT_BYTES_PER_LOGIT]
+                   max_num_seqs * tree_width * v * DRAFT_BYTES_PER_LOGIT,
+                   verify_rows * v * 2 + max_num_seqs * v * TREE_STEP_BYTES_PER_LOGIT]
     return max(phases) / 1e9
 
 
 def check_memory_plan(shape: ModelShape, reserved_gb: float, max_num_seqs: int,
                       max_num_batched_tokens: int, max_model_len: int, tree_width: int,
-                      subspec: bool) -> dict:
+                      tree_depth: int, subspec: bool) -> dict:
     """The reserve must hold the profiling peak and the KV cache of one full-length request;
     returns the plan's numbers, raises SystemExit with them where it does not fit."""
-    peak = profiling_peak_gb(shape, max_num_seqs, max_num_batched_tokens, tree_width, subspec)
+    peak = profiling_peak_gb(shape, max_num_seqs, max_num_batched_tokens, tree_width,
+                             tree_depth, subspec)
     kv = shape.kv_gb(max_model_len)
     plan = {"profiling_peak_gb": peak, "min_kv_gb": kv, "reserved_gb": reserved_gb,
             "max_num_seqs": max_num_seqs}
@@ -235,7 +241,7 @@ def engine_plans(args, shape: ModelShape, total_gb: float) -> dict[str, dict]:
                                    "tree_depth": depth} if subspec else None,
             "memory": check_memory_plan(shape, args.reserved_gb, args.max_num_seqs,
                                         args.max_num_batched_tokens, args.max_model_len,
-                                        width, subspec)}
+                                        width, depth, subspec)}
     return plans
 
 

@@ -122,7 +122,17 @@ def test_gpu_start_sequence_walked_on_cpu_then_lossless(default_engine, prompts,
     # the profiling pass ran the draft's widest pass: max_num_seqs x 6 rows of logits
     assert walk["profile_logits_rows"] == walk["max_num_seqs"] * 6
     assert walk["draft_logits_after_profile"] == []  # only there: not at capture or warm-up
+    # the runner profiles max_num_batched_tokens rows; the draft's forward only its own bound,
+    # the widest tree level of max_num_seqs requests (start-up time: minutes on CPU otherwise)
+    profile_forwards = [rows for phase, rows in walk["draft_forward_rows"] if phase == "profile"]
+    assert profile_forwards == [walk["max_num_seqs"] * 6]
+    assert walk["max_num_seqs"] * 6 < walk["profile_batch_rows"]
     assert walk["sampler_warm_up_rows"] == walk["max_num_seqs"]
+    # ... and a tree verify's logits (every node of max_num_seqs trees, more rows than the
+    # runner's own profile computes) were live in it, with one chunk's fp32 work
+    assert walk["verify_rows_bound"] == min(walk["profile_batch_rows"],
+                                            walk["max_num_seqs"] * (6 * 32 + 1))
+    assert walk["profile_peak_bytes"] >= walk["verify_logits_bytes"]
     assert_identical(result.token_ids, plain[0].token_ids)
     assert result.stats.tau > 1.5
 
@@ -131,6 +141,8 @@ def _walk_gpu_start(worker) -> dict:
     import torch
     from vllm.config import CUDAGraphMode
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    from subspec_testing.live_bytes import LiveBytes
 
     runner = worker.model_runner
     drafter = runner.drafter
@@ -149,6 +161,12 @@ def _walk_gpu_start(worker) -> dict:
         logits_rows.append(hidden.shape[0])
         return compute_logits(hidden)
 
+    forward, forward_rows = drafter.model.forward, []
+
+    def recorded_forward(input_ids, positions, *args, **kwargs):
+        forward_rows.append((phase[0], input_ids.shape[0]))
+        return forward(input_ids, positions, *args, **kwargs)
+
     sampler_rows = []
 
     def recorded_verifier(metadata, draft_probs, logits, sampling_metadata):
@@ -156,6 +174,7 @@ def _walk_gpu_start(worker) -> dict:
         return verifier(metadata, draft_probs, logits, sampling_metadata)
 
     drafter.dummy_run, drafter.model.compute_logits = recorded_dummy_run, recorded_logits
+    drafter.model.forward = recorded_forward
     runner.rejection_sampler = recorded_verifier
     try:
         # 1. before initialize_from_config: every cache is vLLM's placeholder, no KV config
@@ -165,7 +184,8 @@ def _walk_gpu_start(worker) -> dict:
             m.kv_cache = torch.tensor([])
         runner.kv_cache_config = None
         try:
-            runner.profile_run()
+            with LiveBytes() as profile_bytes:
+                runner.profile_run()
         finally:
             for n, m in attn.items():
                 m.kv_cache = caches[n]
@@ -184,12 +204,18 @@ def _walk_gpu_start(worker) -> dict:
         runner._dummy_sampler_run(hidden_states=last_hidden)
         unchanged = all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
     finally:  # back to the class methods and the runner's tree verifier
-        del drafter.dummy_run, drafter.model.compute_logits
+        del drafter.dummy_run, drafter.model.compute_logits, drafter.model.forward
         runner.rejection_sampler = verifier
     return {"drafter_calls": calls, "kv_unchanged_by_warm_ups": unchanged,
             "profile_logits_rows": profile_rows,
             "draft_logits_after_profile": logits_rows[profiled:],
             "max_num_seqs": runner.scheduler_config.max_num_seqs,
+            "profile_batch_rows": runner.max_num_tokens,
+            "profile_peak_bytes": profile_bytes.peak,
+            "verify_logits_bytes": drafter.verify_rows_bound() * runner.model_config.get_vocab_size()
+            * runner.model_config.dtype.itemsize,
+            "verify_rows_bound": drafter.verify_rows_bound(),
+            "draft_forward_rows": forward_rows,
             "sampler_warm_up_rows": max(sampler_rows)}
 
 
@@ -222,6 +248,99 @@ def test_request_features_in_the_default_config(default_engine, feature_matrix):
                            match="not yet supported with speculative decoding"):
             default_engine.generate(["Hi"], SamplingParams(max_tokens=4, **refused),
                                     use_tqdm=False)
+
+
+def test_draft_passes_padded_to_graph_buckets_stay_lossless(default_engine, prompts, plain):
+    """On CUDA a compiled draft's passes run as captured PIECEWISE graphs: each forward's rows
+    padded to the next capture size by vLLM's own `CudagraphDispatcher` (the drafter's
+    `draft_bucket`), the padding rows writing no KV and attended by nothing. vLLM's CPU
+    backend captures nothing, so here the drafter is given a real dispatcher with PIECEWISE
+    keys at capture sizes 1, 2, 4, 8, 16, 24, 32 (past 32: eager, unpadded, as on CUDA past
+    the largest size): every draft forward then runs padded, as on CUDA, and the output is
+    still plain decoding's."""
+    llm = default_engine
+    llm.collective_rpc(_pad_draft_passes, args=(True,))
+    try:
+        result = timed_generate(llm, prompts, GREEDY)
+        buckets = llm.collective_rpc(_draft_buckets_seen)[0]
+        capture = llm.collective_rpc(_capture_calls)[0]
+    finally:
+        llm.collective_rpc(_pad_draft_passes, args=(False,))
+    assert_identical(result.token_ids, plain[0].token_ids)
+    padded = [(n, rows) for n, mode, rows in buckets if mode == "PIECEWISE"]
+    assert all(rows == min(c for c in CAPTURE_SIZES if c >= n) for n, rows in padded)
+    assert any(rows > n for n, rows in padded)  # some forwards really carried padding
+    assert all(mode == "NONE" and rows == n for n, mode, rows in buckets if n > 32)
+    # the runner's capture calls (`dummy_run(is_graph_capturing=True)`): a bucket gets one
+    # eager forward, then the capturing one, both of its padded rows, writing no KV; a size
+    # past the largest bucket captures nothing
+    assert capture["forwards"][5] == [("NONE", 8), ("PIECEWISE", 8)]
+    assert capture["forwards"][1000] == []
+    assert capture["kv_unchanged"]
+
+
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32]
+
+
+def _pad_draft_passes(worker, on: bool) -> None:
+    """Swap the drafter's dispatcher for vLLM's own with PIECEWISE keys (on) and back; record
+    every draft forward's bucket meanwhile."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    drafter = worker.model_runner.drafter
+    if not on:
+        drafter.cudagraph_dispatcher = drafter.saved_dispatcher
+        del drafter.draft_bucket, drafter.saved_dispatcher
+        return
+    compilation = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
+        cudagraph_capture_sizes=CAPTURE_SIZES, max_cudagraph_capture_size=CAPTURE_SIZES[-1],
+        splitting_ops=list(CompilationConfig._attention_ops))
+    dispatcher = CudagraphDispatcher(SimpleNamespace(
+        compilation_config=compilation, num_speculative_tokens=1, lora_config=None,
+        scheduler_config=worker.model_runner.scheduler_config))
+    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.PIECEWISE)
+    drafter.saved_dispatcher, drafter.cudagraph_dispatcher = \
+        drafter.cudagraph_dispatcher, dispatcher
+    bucket, drafter.buckets_seen = type(drafter).draft_bucket, []
+
+    def recorded(num_tokens, use_cudagraphs=True):
+        mode, rows = bucket(drafter, num_tokens, use_cudagraphs)
+        drafter.buckets_seen.append((num_tokens, mode.name, rows))
+        return mode, rows
+
+    drafter.draft_bucket = recorded
+
+
+def _capture_calls(worker) -> dict:
+    import torch
+    from vllm.forward_context import get_forward_context
+
+    runner, drafter = worker.model_runner, worker.model_runner.drafter
+    forward, seen = drafter.model.forward, []
+
+    def recorded(input_ids, positions, *args, **kwargs):
+        seen.append((get_forward_context().cudagraph_runtime_mode.name, input_ids.shape[0]))
+        return forward(input_ids, positions, *args, **kwargs)
+
+    before = [c.clone() for c in runner.kv_caches]
+    drafter.model.forward = recorded
+    forwards = {}
+    try:
+        for size in (5, 1000):
+            drafter.dummy_run(size, is_graph_capturing=True)
+            forwards[size], seen[:] = list(seen), []
+    finally:
+        del drafter.model.forward
+    return {"forwards": forwards,
+            "kv_unchanged": all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))}
+
+
+def _draft_buckets_seen(worker) -> list:
+    return worker.model_runner.drafter.buckets_seen
 
 
 def test_auto_pauses_drafting_losslessly(default_engine, prompts, plain):

@@ -13,4 +13,4 @@ def test_gpu_check_dry_run_lists_engines_and_plans_without_a_gpu():
     assert out.stdout.count("test_greedy_lossless_with_offload[") == 8
     assert "'max_num_seqs': 64" in out.stdout
     assert "[gpu_offload] plain engine:" in out.stdout
-    assert '"max_num_seqs": 16' in out.stdout and "profiling peak" in out.stdout
+    assert '"max_num_seqs": 8' in out.stdout and "profiling peak" in out.stdout

@@ -2,13 +2,8 @@
 with a memory plan checked before any engine starts (printed by `gpu_check.sh --dry-run`:
 tests/integration/test_gpu_check_dry_run.py)."""
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-
 
 from benchmarks.gpu_offload import (
     DRAFT_BYTES_PER_LOGIT,
@@ -21,6 +16,7 @@ from benchmarks.gpu_offload import (
     profiling_peak_gb,
 )
 from benchmarks.projection import SUBSTITUTE_FRACTION, GpuSetting
+from subspec_testing.live_bytes import LiveBytes
 
 # Qwen2.5-7B: 28 layers of 0.466 GB bf16, 15.23 GB in all; the paper's 8 GB card
 W, LAYER, N, BUDGET = 15.23, 0.466, 28, 8.0 - 1.5
@@ -95,19 +91,32 @@ def test_qwen_shape_matches_the_published_sizes():
 
 @pytest.mark.parametrize("subspec", [False, True])
 def test_the_default_benchmark_plan_fits_its_reserve(subspec):
-    """8 GB limit, 1.5 GB reserve, max_num_seqs 16 (the benchmark's defaults)."""
-    plan = check_memory_plan(QWEN_SHAPE, 1.5, 16, 8192, 4096, 6, subspec)
+    """8 GB limit, 1.5 GB reserve, max_num_seqs 8, 6x48 trees (the benchmark's defaults)."""
+    plan = check_memory_plan(QWEN_SHAPE, 1.5, 8, 8192, 4096, 6, 48, subspec)
     assert plan["profiling_peak_gb"] + plan["min_kv_gb"] <= 1.5
+
+
+def test_a_tree_verifys_logits_are_in_the_plan():
+    """The verify over whole trees holds bf16 logits for every node of max_num_seqs trees
+    (within max_num_batched_tokens): 16 x 289 rows of a 152k vocabulary (1.4 GB) outgrow the
+    forward over 8192 tokens and the reserve; 8 x 289 stay under that forward; a step budget of
+    2048 tokens caps the rows."""
+    forward = profiling_peak_gb(QWEN_SHAPE, 16, 8192, 6, 48, subspec=False)
+    assert profiling_peak_gb(QWEN_SHAPE, 16, 8192, 6, 48, subspec=True) > forward + 0.3
+    assert profiling_peak_gb(QWEN_SHAPE, 8, 8192, 6, 48, subspec=True) == forward
+    assert profiling_peak_gb(QWEN_SHAPE, 16, 2048, 6, 48, subspec=True) < 0.75
+    with pytest.raises(SystemExit, match="lower --max-num-seqs"):
+        check_memory_plan(QWEN_SHAPE, 1.5, 16, 8192, 4096, 6, 48, subspec=True)
 
 
 def test_vllms_default_max_num_seqs_on_a_large_gpu_outgrows_the_reserve():
     """vLLM defaults max_num_seqs to 1024 on a >= 70 GiB GPU: the sampler's warm-up over 1024
     rows of a 152k vocabulary alone is 3.4 GB, and SubSpec's widest draft pass (x6 rows) more."""
-    assert profiling_peak_gb(QWEN_SHAPE, 1024, 8192, 6, subspec=False) > 1.5
-    assert profiling_peak_gb(QWEN_SHAPE, 1024, 8192, 6, subspec=True) > \
-        profiling_peak_gb(QWEN_SHAPE, 1024, 8192, 6, subspec=False)
+    assert profiling_peak_gb(QWEN_SHAPE, 1024, 8192, 6, 8, subspec=False) > 1.5
+    assert profiling_peak_gb(QWEN_SHAPE, 1024, 8192, 6, 8, subspec=True) > \
+        profiling_peak_gb(QWEN_SHAPE, 1024, 8192, 6, 8, subspec=False)
     with pytest.raises(SystemExit, match="lower --max-num-seqs or raise --reserved-gb"):
-        check_memory_plan(QWEN_SHAPE, 1.5, 1024, 8192, 4096, 6, subspec=True)
+        check_memory_plan(QWEN_SHAPE, 1.5, 1024, 8192, 4096, 6, 8, subspec=True)
 
 
 def test_subspec_budget_holds_the_quantized_lm_head():
@@ -116,36 +125,6 @@ def test_subspec_budget_holds_the_quantized_lm_head():
     resident = resident_gb(n, subspec=True) + SUBSTITUTE_FRACTION * head
     assert resident <= BUDGET < resident_gb(n - 1, subspec=True) + SUBSTITUTE_FRACTION * head
     assert n >= layers_to_offload(W, LAYER, N, BUDGET, subspec=True)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensors created inside the mode and still alive (CPU: no allocator
-    statistics). A view shares its base's storage and is not counted again."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.storages: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            ptr, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-            if ptr in inputs or ptr in self.storages or size == 0:
-                continue
-            self.storages.add(ptr)
-            self.live += size
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._free, ptr, size)
-        return out
-
-    def _free(self, ptr: int, size: int) -> None:
-        self.storages.discard(ptr)
-        self.live -= size
 
 
 def test_draft_temporaries_fit_the_plans_bytes_per_logit():

@@ -287,7 +287,20 @@ class Runner:
         assert ("full", batch) not in self.graphs and ("pw", batch, 0) not in self.graphs
         self.forward(mode, batch)
 
-    def step(self, mode, batch=1, propose=True, draft_layers=()):
+    def draft_pieces(self, pieces: int, scoped: bool):
+        """A draft forward as captured pieces of its own (PIECEWISE, one forward context), in
+        the proposer's `drafting()` scope or not: each piece capture/replay calls the
+        offloader's sync as CUDAGraphWrapper does. The draft's layers are resident (no read
+        of a streamed slot)."""
+        from vllm.forward_context import override_forward_context
+
+        scope = self.overlap.drafting() if scoped and self.overlap else contextlib.nullcontext()
+        with override_forward_context(Ctx()), scope:
+            for i in range(pieces):
+                self._graph(("draft", i), [])
+
+    def step(self, mode, batch=1, propose=True, draft_layers=(), draft_pieces=0,
+             scoped=True):
         """One engine step: verify forward, sampling, then (unless skipped) the proposer."""
         self.forward(mode, batch)
         SIM.mark("sample")
@@ -296,6 +309,8 @@ class Runner:
                 self.overlap.start_before_draft()
             SIM.mark("draft")
             self._run([self.layers[i] for i in draft_layers])  # shared offloaded layers
+            if draft_pieces:
+                self.draft_pieces(draft_pieces, scoped)
             SIM.mark("draft")
 
 
@@ -498,3 +513,32 @@ def test_capture_after_serving_starts(make):
             runner.capture(mode, batch)
         runner.step(mode, batch)
     SIM.check_hazards()
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_captured_draft_pieces_neither_wait_for_nor_disturb_the_refills(make, mode):
+    """Draft passes replayed as CUDA graphs (each piece's replay calls `sync_prev_onload`):
+    inside the proposer's `drafting()` scope the refill copies still run while the whole
+    draft runs, and the next verify issues no extra copy. Outside it the draft's first replay
+    waits for them (they end before the draft does) and the draft is taken for the next
+    target forward (its slot bookkeeping reset: the verify copies the refilled layers again)."""
+    def run(scoped):
+        runner = make()
+        runner.capture(mode)
+        start = len(SIM.trace)
+        for _ in range(3):
+            runner.step(mode, draft_pieces=3, scoped=scoped)
+        runner.step(mode, propose=False)
+        SIM.check_hazards()
+        ends = draft_marks()[1::2]  # the mark after each draft
+        refills = copies(lambda e: e["layer"] in (0, 1), since=start)  # 6 layers, s = 2
+        overlapped = sum(any(concurrent(c, end) for end in ends) for c in refills)
+        return runner.overlap.counts, overlapped
+
+    counts, overlapped = run(scoped=True)
+    assert counts["draft_sync_skipped"] == 3 * 3  # every capture (step 1) and replay
+    assert counts["before_draft"] == 2 * 3 and overlapped == 2 * 3
+    assert counts["graph_entry"] == 2  # only the first verify after the capture
+    counts, overlapped = run(scoped=False)
+    assert overlapped == 0  # the draft waited for every refill
+    assert counts["graph_entry"] > 2  # and took itself for the next target forward

@@ -314,6 +314,9 @@ def test_draft_row_counts_are_batch_and_tree_level_rows():
     # chain steps and a tree's root pass: b rows; tree levels past the root: k*b rows
     assert draft_row_counts(3, 4) == [1, 2, 3, 4, 8, 12]
     assert draft_row_counts(5, 1) == [1, 2, 3, 4, 5]
+    # padded to CUDA-graph buckets too: 3 -> 4, 12 -> 16; past the largest size unpadded
+    assert draft_row_counts(3, 4, capture_sizes=[1, 2, 4, 8, 16]) == [1, 2, 3, 4, 8, 12, 16]
+    assert draft_row_counts(3, 6, capture_sizes=[1, 2, 4, 8]) == [1, 2, 3, 4, 6, 8, 12, 18]
 
 
 def test_warm_up_runs_each_linear_shape_once_per_warm_up_key():

@@ -17,7 +17,8 @@ from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.paged_kv import CpuVecLayout, logical_to_slots
 from vllm_subspec.step.session import StepSession
 from vllm_subspec.step.tree import StoredTree
-from vllm_subspec.step.verify import PLACEHOLDER, VerifiedTree, chain_tree
+from vllm_subspec.step.verify import (PLACEHOLDER, VerifiedTree, chain_tree, draw_target_tokens,
+                                      sample_then_match)
 from vllm_subspec.vllm_hooks.tree_verifier import TreeVerifier
 
 V = 16
@@ -62,13 +63,14 @@ def session() -> StepSession:
     return StepSession(SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 2}))
 
 
-def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None) -> TreeVerifier:
+def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None,
+              max_num_reqs: int = 8) -> TreeVerifier:
     req_ids = list(trees)
     batch = SimpleNamespace(
         req_ids=req_ids, num_reqs=len(req_ids),
         block_table=[SimpleNamespace(get_device_tensor=lambda n: block_table[:n],
                                      block_size=BS)])
-    runner = SimpleNamespace(input_batch=batch, sampler=Sampler())
+    runner = SimpleNamespace(input_batch=batch, sampler=Sampler(), max_num_reqs=max_num_reqs)
     kv_caches = lambda: pytest.fail("no KV cache given")  # noqa: E731
     if kv is not None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -178,6 +180,94 @@ def test_logprob_rows_are_the_targets_where_each_token_was_drawn():
         assert lp.logprob_token_ids[j, 0].item() == emitted[j]
         assert lp.logprobs[j, 0].item() == pytest.approx(ref[node, emitted[j]].item(), abs=1e-5)
         assert lp.selected_token_ranks[j].item() == 1
+
+
+# ---- a verify's fp32 work in chunks of max_num_seqs rows ------------------------------------
+MIXED = ["greedy", "seeded", "greedy", "seeded", "seeded"]
+
+
+def mixed_batch(max_num_reqs: int, max_logprobs=None):
+    """Five requests (greedy and seeded sampling, temperature 1, top-k 12, a repetition
+    penalty, one with a banned word) verifying trees of 5 nodes or none; returns the step and
+    the tensors of one call."""
+    torch.manual_seed(3)
+    trees = {f"r{i}": VerifiedTree(tree(), 40, i, compact=False) if i != 2 else None
+             for i in range(len(MIXED))}
+    num_draft = [4 if t is not None else 2 for t in trees.values()]
+    logits = torch.randn(sum(num_draft) + len(num_draft), V)
+    meta = sampling(len(MIXED), greedy=False, max_logprobs=max_logprobs, repetition=1.3,
+                    generators={i: torch.Generator().manual_seed(i)
+                                for i, kind in enumerate(MIXED) if kind == "seeded"})
+    meta.temperature[[i for i, kind in enumerate(MIXED) if kind == "greedy"]] = 0.0
+    meta.top_k = torch.full((len(MIXED),), 12)
+    meta.bad_words_token_ids = {3: [[5, 7]]}
+    step = step_with({r: t for r, t in trees.items()}, max_num_reqs=max_num_reqs)
+    return step, num_draft, logits, meta
+
+
+@pytest.mark.parametrize("max_num_reqs", [1, 3, 7, 64])
+def test_chunked_draws_equal_one_pass(max_num_reqs):
+    """Drawing max_num_seqs rows at a time (chunks that split trees, too) changes no token,
+    no logprob, no generator state: every row's draw reads its own row (seeded rows their own
+    generator states)."""
+    results = []
+    for chunk in (max_num_reqs, 10_000):
+        step, num_draft, logits, meta = mixed_batch(chunk, max_logprobs=3)
+        out = verify(step, num_draft, logits, meta)
+        states = [g.get_state() for g in meta.generators.values()]
+        results.append((out, states))
+    (chunked, chunked_states), (whole, whole_states) = results
+    assert torch.equal(chunked.sampled_token_ids, whole.sampled_token_ids)
+    for a, b in zip(chunked.logprobs_tensors[:3], whole.logprobs_tensors[:3]):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(chunked_states, whole_states))
+    # sampled for real: the seeded rows did not all draw their argmax
+    emitted = whole.sampled_token_ids
+    assert (emitted[[1, 3, 4], 0] != logits[[5, 15, 20]].argmax(-1)).any()
+
+
+def test_chunks_bound_the_verifys_fp32_temporaries():
+    """The fp32 copies of a verify over whole trees hold one chunk of rows, not the verify's
+    every row: with 8 requests of 33 nodes each and a 50k vocabulary (sampled, top-k, a
+    repetition penalty), the peak of live tensors the walk makes is above one fp32 copy of all
+    the rows in one pass, and a fraction of it drawn 8 rows at a time."""
+    from subspec_testing.live_bytes import LiveBytes
+
+    batch, nodes, vocab = 8, 33, 50_000
+    parents = [-1] + list(range(nodes - 1))  # chains: 33 nodes each
+    trees = [VerifiedTree(StoredTree([0] * nodes, parents, torch.ones(nodes, nodes,
+                                                                       dtype=torch.bool)),
+                          40, i, compact=False) for i in range(batch)]
+    logits = torch.randn(batch * nodes, vocab, dtype=torch.bfloat16)
+    whole_fp32 = logits.numel() * 4
+    peaks = {}
+    for max_rows in (None, batch):
+        meta = sampling(batch, greedy=False, repetition=1.2)
+        meta.top_k = torch.full((batch,), 50)
+        with torch.inference_mode(), LiveBytes() as mode:
+            sample_then_match(trees, [nodes - 1] * batch, logits, meta, Sampler().topk_topp_sampler,
+                              max_rows)
+        peaks[max_rows] = mode.peak
+    assert peaks[None] > whole_fp32  # one pass: at least one fp32 copy of every row
+    assert peaks[batch] < whole_fp32 / 4  # 8 rows: a few fp32 and int64 copies of 8 rows
+
+
+def test_greedy_draws_need_no_fp32_copy():
+    """All-greedy verify: the argmax of the logits' own dtype (the same index as plain's fp32
+    argmax, first of equal values), with nothing the size of the logits allocated."""
+    from subspec_testing.live_bytes import LiveBytes
+
+    logits = torch.randn(40, 5000).to(torch.bfloat16)
+    logits[3, [7, 9]] = 50.0  # a tie: the first index, as plain's fp32 argmax
+    t = VerifiedTree(StoredTree([0] * 40, [-1] + list(range(39)),
+                                torch.ones(40, 40, dtype=torch.bool)), 40, 0, compact=False)
+    with torch.inference_mode(), LiveBytes() as mode:
+        walk = sample_then_match([t], [39], logits, sampling(1), None)
+    assert walk.tokens[0, 0].item() == logits[0].float().argmax().item()
+    assert mode.peak < logits.numel()  # bytes: less than half the bf16 logits
+    draws = draw_target_tokens(logits, torch.zeros(40, dtype=torch.int64), {}, sampling(1),
+                               None)
+    assert torch.equal(draws, logits.float().argmax(-1)) and draws[3].item() == 7
 
 
 # ---- compaction right after the walk ------------------------------------------------------

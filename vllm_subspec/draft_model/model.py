@@ -125,7 +125,8 @@ class SubstituteSet:
                 f"KV cache {kv_cache_bytes / 2**30:.3f} GiB")
 
     def warm_up(self, max_num_seqs: int, tree_width: int | tuple[int, ...], dtype: torch.dtype,
-                device: torch.device) -> dict[str, list[int]]:
+                device: torch.device, capture_sizes: list[int] | tuple[int, ...] = ()
+                ) -> dict[str, list[int]]:
         """Run every kernel shape once per distinct compile/autotune key (`warm_up_key`) of the
         row counts the drafter can send, so that GemLite's Triton autotuning and compilation
         happen at start-up (before vLLM captures CUDA graphs), never inside a request.
@@ -140,7 +141,7 @@ class SubstituteSet:
         with torch.inference_mode():
             for name, sub in one_per_linear.items():
                 first: dict = {}
-                for m in draft_row_counts(max_num_seqs, tree_width):
+                for m in draft_row_counts(max_num_seqs, tree_width, capture_sizes):
                     first.setdefault(sub.warm_up_key(m), m)
                 ran[name] = sorted(first.values())
                 for m in ran[name]:
@@ -149,7 +150,7 @@ class SubstituteSet:
             logger.info("vllm-subspec: substitute kernels warmed up at %d of the %d row counts "
                         "a draft can have, per linear shape",
                         max(map(len, ran.values())),
-                        len(draft_row_counts(max_num_seqs, tree_width)))
+                        len(draft_row_counts(max_num_seqs, tree_width, capture_sizes)))
         return ran
 
     def attach_to(self, model: nn.Module) -> None:
@@ -233,13 +234,19 @@ def after_weights_processed(model: nn.Module, device: torch.device, kv_room=None
     fit_kv_cache(subs, kv_room)
 
 
-def draft_row_counts(max_num_seqs: int, tree_width: int | tuple[int, ...]) -> list[int]:
+def draft_row_counts(max_num_seqs: int, tree_width: int | tuple[int, ...],
+                     capture_sizes: list[int] | tuple[int, ...] = ()) -> list[int]:
     """Every row count a draft forward can have (proposer.py): a chain step and a tree's root
     pass run one row per request (b = 1..max_num_seqs), later tree levels k rows per request,
-    for each width k a step may use (an auto shape's candidates)."""
+    for each width k a step may use (an auto shape's candidates); with CUDA-graph capture
+    sizes, also each count padded to its bucket (the next capture size: the proposer's
+    `draft_bucket`)."""
     widths = (tree_width,) if isinstance(tree_width, int) else tree_width
     batches = range(1, max(max_num_seqs, 1) + 1)
-    return sorted(set(batches) | {b * max(k, 1) for b in batches for k in widths})
+    rows = set(batches) | {b * max(k, 1) for b in batches for k in widths}
+    sizes = sorted(capture_sizes)
+    rows |= {next(c for c in sizes if c >= n) for n in rows if sizes and n <= sizes[-1]}
+    return sorted(rows)
 
 
 LM_HEAD, LM_HEAD_INDEX = ("lm_head",), -1  # the lm_head's job id and cache index

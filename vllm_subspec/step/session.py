@@ -232,10 +232,13 @@ class StepSession:
 
     # ---- 4. sample, then match -----------------------------------------------------------
     def sample_and_walk(self, req_ids: list[str], num_draft: list[int], logits: torch.Tensor,
-                        sampling_metadata, topk_topp_sampler) -> WalkResult:
-        """logits: [sum(num_draft) + B, V] the target's, each request's root row first."""
+                        sampling_metadata, topk_topp_sampler,
+                        max_rows: int | None = None) -> WalkResult:
+        """logits: [sum(num_draft) + B, V] the target's, each request's root row first;
+        max_rows: the most rows drawn at once (`verify.row_chunks`)."""
         trees = [self.verifying.get(rid) if n else None for rid, n in zip(req_ids, num_draft)]
-        walk = sample_then_match(trees, num_draft, logits, sampling_metadata, topk_topp_sampler)
+        walk = sample_then_match(trees, num_draft, logits, sampling_metadata, topk_topp_sampler,
+                                 max_rows)
         drafted = [(v, len(path), n) for v, path, n in zip(trees, walk.paths, num_draft)
                    if v is not None and v.compact]
         self.stats.verified_trees += len(drafted)

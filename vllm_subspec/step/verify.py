@@ -68,29 +68,48 @@ class WalkResult:
 
 
 def sample_then_match(trees: list[VerifiedTree | None], num_draft: list[int],
-                      logits: torch.Tensor, sampling_metadata, topk_topp_sampler) -> WalkResult:
+                      logits: torch.Tensor, sampling_metadata, topk_topp_sampler,
+                      max_rows: int | None = None) -> WalkResult:
     """Draw the target's token at every node, then walk each tree along the draws.
 
     trees: [B] the verifying tree of each request (None: no drafts); num_draft: [B] its
-    scheduled nodes; logits: [sum(num_draft) + B, V] the target's (root row first)."""
-    rows = torch.tensor([n + 1 for n in num_draft])
+    scheduled nodes; logits: [sum(num_draft) + B, V] the target's (root row first);
+    max_rows: the most rows drawn at once (None: all). A verify over whole trees has up to
+    max_num_seqs x (nodes + 1) rows; drawn max_num_seqs rows at a time, its fp32 work
+    (constrained copies, temperature, vLLM's top-k/top-p sampler) is the size vLLM's own
+    sampler warm-up runs in its memory profile. Each row's draw reads its own row and, when
+    seeded, its own generator state, so the chunks change no draw."""
+    rows = [n + 1 for n in num_draft]
     # one depth and path per logits row (a request without a tree: only its root row is
     # drawn from, the others are placeholders)
     depths = [v.tree.depths()[: n + 1] if v is not None else [0] * (n + 1)
               for v, n in zip(trees, num_draft)]
-    row_request = torch.repeat_interleave(torch.arange(len(num_draft)), rows)
-    constrained = constrain(logits, row_request, [d for ds in depths for d in ds],
-                            lambda: [p for v, n in zip(trees, num_draft)
-                                     for p in (v.tree.node_paths(n + 1) if v else [[]] * (n + 1))],
-                            sampling_metadata)
-    seeded_depths = {r: depths[r] for r in sampling_metadata.generators}
-    draws, seeded = draw_target_tokens(constrained, rows, seeded_depths, sampling_metadata,
-                                       topk_topp_sampler)
-    draws = draws.tolist()
+    row_request = torch.repeat_interleave(torch.arange(len(num_draft)), torch.tensor(rows))
+    row_depth = [d for ds in depths for d in ds]
+    node_paths: list[list[int]] = []
+
+    def paths(start: int, stop: int) -> list[list[int]]:  # made once, only if a rule reads it
+        if not node_paths:
+            node_paths.extend(p for v, n in zip(trees, num_draft)
+                              for p in (v.tree.node_paths(n + 1) if v else [[]] * (n + 1)))
+        return node_paths[start:stop]
+
+    seeded, row_generators = seeded_draws(depths, sampling_metadata, topk_topp_sampler,
+                                          logits.shape[-1], logits.device)
+    draws: list[int] = []
+    chunk = max_rows or len(row_depth)
+    for start in range(0, len(row_depth), chunk):
+        stop = min(start + chunk, len(row_depth))
+        constrained = constrain(logits[start:stop], row_request[start:stop],
+                                row_depth[start:stop], lambda a=start, b=stop: paths(a, b),
+                                sampling_metadata)
+        generators = {row - start: g for row, g in row_generators.items() if start <= row < stop}
+        draws += draw_target_tokens(constrained, row_request[start:stop], generators,
+                                    sampling_metadata, topk_topp_sampler).tolist()
     width = max(num_draft) + 1
     out = torch.full((len(num_draft), width), PLACEHOLDER, dtype=torch.int32)
     drawn_at = torch.zeros((len(num_draft), width), dtype=torch.int64)
-    paths, moves = [], []
+    walked, moves = [], []
     start = 0
     for i, (v, n) in enumerate(zip(trees, num_draft)):
         target = draws[start: start + n + 1]
@@ -102,10 +121,10 @@ def sample_then_match(trees: list[VerifiedTree | None], num_draft: list[int],
         if i in seeded:  # the generator has made one draw per emitted token, as plain's
             seeded[i].commit(len(nodes))
         start += n + 1
-        paths.append(path)
+        walked.append(path)
         if v is not None and v.compact and path != list(range(1, len(path) + 1)):
             moves.append(KvMove(v.req_index, v.root, path))
-    return WalkResult(out, drawn_at, paths, moves)
+    return WalkResult(out, drawn_at, walked, moves)
 
 
 class SeededDraws:
@@ -139,32 +158,41 @@ class SeededDraws:
         self.generator.set_state(self.states[num_emitted])
 
 
-def draw_target_tokens(logits: torch.Tensor, rows_per_request: torch.Tensor,
-                       seeded_depths: dict[int, list[int]], sampling_metadata,
-                       topk_topp_sampler) -> tuple[torch.Tensor, dict[int, SeededDraws]]:
+def seeded_draws(depths: list[list[int]], sampling_metadata, topk_topp_sampler,
+                 vocab_size: int, device: torch.device
+                 ) -> tuple[dict[int, SeededDraws], dict[int, torch.Generator]]:
+    """Per seeded request (batch index) its `SeededDraws`, and per logits row of it the
+    generator in the state of plain's draw at that row's depth. depths: [B] each request's
+    node depths, one per logits row (requests' rows consecutive)."""
+    if sampling_metadata.all_greedy:
+        return {}, {}
+    offsets = [sum(len(ds) for ds in depths[:r]) for r in range(len(depths))]
+    seeded, row_generators = {}, {}
+    for r, gen in sampling_metadata.generators.items():
+        seeded[r] = SeededDraws(gen, max(depths[r]) + 1, topk_topp_sampler, vocab_size, device)
+        row_generators.update({offsets[r] + j: seeded[r].at_depth(d)
+                               for j, d in enumerate(depths[r])})
+    return seeded, row_generators
+
+
+def draw_target_tokens(logits: torch.Tensor, row_request: torch.Tensor,
+                       row_generators: dict[int, torch.Generator], sampling_metadata,
+                       topk_topp_sampler) -> torch.Tensor:
     """One target token per logits row, as vLLM's Sampler.sample draws it (sampler.py 0.32.0
     :247-305): argmax for greedy requests; else temperature, then vLLM's own TopKTopPSampler
-    (top-k/top-p and the platform's draw). Seeded requests draw per depth (`SeededDraws`),
-    which is returned per request index so the walk can commit the draws it used.
+    (top-k/top-p and the platform's draw).
 
-    logits: [rows, V]; rows_per_request: [num_reqs]; seeded_depths: for each seeded request
-    (batch index), the depth of each of its rows."""
-    logits = logits.float()
+    logits: [R, V]; row_request: [R] (host) the batch index of each row; row_generators: the
+    generator of each seeded row (`seeded_draws`), by row."""
+    # the argmax of the logits' own dtype: the index of plain's fp32 argmax (the first of
+    # equal values either way), without an fp32 copy of the rows
     greedy = logits.argmax(dim=-1)
     if sampling_metadata.all_greedy:
-        return greedy, {}
-    row_request = torch.repeat_interleave(torch.arange(len(rows_per_request)), rows_per_request)
+        return greedy
     expand = lambda t: None if t is None else t[row_request.to(t.device)]  # noqa: E731
     temperature = expand(sampling_metadata.temperature)
     is_greedy = temperature < _SAMPLING_EPS
-    scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1)
-    offsets = (torch.cumsum(rows_per_request, 0) - rows_per_request).tolist()
-    seeded, row_generators = {}, {}
-    for r, gen in sampling_metadata.generators.items():
-        a, depths = offsets[r], seeded_depths[r]
-        seeded[r] = SeededDraws(gen, max(depths) + 1, topk_topp_sampler, logits.shape[-1],
-                                logits.device)
-        row_generators.update({a + j: seeded[r].at_depth(d) for j, d in enumerate(depths)})
+    scaled = logits.float() / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1)
     sampled, _ = topk_topp_sampler(scaled, row_generators, expand(sampling_metadata.top_k),
                                    expand(sampling_metadata.top_p))
-    return torch.where(is_greedy, greedy, sampled), seeded
+    return torch.where(is_greedy, greedy, sampled)

@@ -4,8 +4,9 @@ In vLLM's compile mode (no `--enforce-eager`) the whole draft forward, every dec
 or substituted, is one dynamo graph with a dynamic token count (fullgraph, guards dropped): on
 CPU inductor compiles it; on CUDA vLLM's backend splits it at the attention ops, which run
 eagerly (tree attention runs inside them), and compiles the pieces between. The substitutes are
-custom ops in it (`substitute.int4_cpu_linear`, GemLite's `forward_functional`). No CUDA graph
-is captured of it (the proposer's `initialize_cudagraph_keys`).
+custom ops in it (`substitute.int4_cpu_linear`, GemLite's `forward_functional`). On CUDA the
+pieces are CUDA graphs per bucket of rows (the proposer's `initialize_cudagraph_keys`,
+`draft_bucket`).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ the layer about to read it, so eager mode gets no second copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections import Counter
@@ -80,6 +81,7 @@ class PrefetchOverlap:
         self._forward_context = forward_context
         self._graph_forward: weakref.ref | None = None
         self.counts: Counter[str] = Counter()  # copies issued by this class, by where
+        self._drafting = False  # inside `drafting()`
         self._install()
 
     # ---- construction --------------------------------------------------------------------
@@ -143,7 +145,23 @@ class PrefetchOverlap:
             self._ensure(self.first if layer_idx == 0 else (layer_idx,), "eager_wait")
         self._orig_wait(layer_idx)
 
+    @contextlib.contextmanager
+    def drafting(self):
+        """The scope of a draft forward. A captured draft piece's replay calls
+        `sync_prev_onload` too (CUDAGraphWrapper, cuda_graph.py 0.32.0 :356-358, and before
+        each capture :311): inside this scope the call is skipped, waits and bookkeeping
+        alike. The draft reads no streamed layer, so it must neither wait for the copies it
+        is meant to overlap nor be taken for the next target forward."""
+        self._drafting = True
+        try:
+            yield
+        finally:
+            self._drafting = False
+
     def _sync_prev_onload(self) -> None:
+        if self._drafting:
+            self.counts["draft_sync_skipped"] += 1
+            return
         if not _capturing():
             # vLLM's graph wrappers call this only inside a forward context
             # (cuda_graph.py:236-240); a call without one is treated as a new forward.

@@ -17,6 +17,7 @@ passes into vLLM forwards (`VllmDraftPasses`: attention metadata, slots, positio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,6 +29,7 @@ from vllm.config import CUDAGraphMode, VllmConfig, get_layers_from_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from vllm_subspec.config import options_from_vllm_config
 from vllm_subspec.draft_model.model import SubstituteSet, decoder_layers
@@ -105,7 +107,9 @@ class SubSpecProposer(DraftModelProposer):
                                                              self.device)):
                 substitutes.warm_up(self.vllm_config.scheduler_config.max_num_seqs,
                                     self.options.widths, self.vllm_config.model_config.dtype,
-                                    self.device)
+                                    self.device,  # and the buckets draft graphs pad to
+                                    self.vllm_config.compilation_config.cudagraph_capture_sizes
+                                    or ())
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
@@ -113,9 +117,28 @@ class SubSpecProposer(DraftModelProposer):
         logger.info(SubstituteSet.of(self.model.target).layout(kv_bytes))
 
     def initialize_cudagraph_keys(self, cudagraph_mode: CUDAGraphMode) -> None:
-        # Draft passes are never captured (compiled in compile mode: vllm_hooks/draft_compile.py);
-        # their row counts follow the tree frontier, and tree attention runs in Python.
-        super().initialize_cudagraph_keys(CUDAGraphMode.NONE)
+        """vLLM's rule for its drafters (llm_base_proposer.py 0.32.0 :421-436: PIECEWISE keys
+        at the runner's capture sizes where it captures graphs and the speculative config is
+        not eager), where the draft forward is compiled by vLLM's backend (compile mode:
+        vllm_hooks/draft_compile.py), which splits it at the attention ops and wraps each piece
+        between them in a CUDAGraphWrapper. A draft pass then pads its rows to the next capture
+        size and replays the pieces of that bucket; attention, tree attention inside it, runs
+        eagerly between them. Without a compiled draft there are no pieces: no keys."""
+        from vllm.config import CompilationMode
+
+        compiled = self.vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE
+        super().initialize_cudagraph_keys(cudagraph_mode if compiled else CUDAGraphMode.NONE)
+
+    def draft_bucket(self, num_tokens: int, use_cudagraphs: bool = True
+                     ) -> tuple[CUDAGraphMode, int]:
+        """(runtime mode, padded row count) of a draft forward over `num_tokens` rows: a
+        captured bucket of vLLM's dispatcher (the next capture size), or eager unpadded (no
+        keys, CPU, past the largest capture size). The dispatcher alone, not the base class's
+        `_determine_batch_execution_and_padding`: that one synchronizes data-parallel ranks per
+        forward, and a rank's draft passes per step are its own."""
+        mode, batch = self.cudagraph_dispatcher.dispatch(
+            num_tokens, valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE})
+        return mode, batch.num_tokens
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
@@ -129,14 +152,22 @@ class SubSpecProposer(DraftModelProposer):
         The draft's layers are the target's, so KV is written only through the slot mappings
         vLLM hands in, as vLLM's own drafters do (`slot_mappings or {}`, llm_base_proposer.py
         0.32.0 :1638-1645): none while the caches are placeholders (nor for a microbatched
-        list). Draft passes are never captured, so a capture call returns at once (in compile
-        mode the first call here, in `profile_run`, compiles the draft forward). The draft's own
+        list). A capture call captures the draft's pieces for its bucket (`_capture_bucket`)
+        where there are keys, and does nothing else (in compile mode the first call here, in
+        `profile_run`, compiles the draft forward). The draft's own
         largest temporaries (`_run_peak_temporaries`) are allocated once, in the first call
         without slot mappings: `profile_run`, which a GPU worker runs first, inside its memory
         profiling (gpu_worker.py :678-693). Not again: the capture warm-ups would add them to
         vLLM's CUDA-graph memory estimate a second time (which is taken from the KV cache too,
         gpu_model_runner.py :6392-6422), and idle data-parallel steps would pay for them."""
+        # the runner asks for its own widest batch (max_num_batched_tokens in the profile); a
+        # draft pass is never wider than its bound, and wider rows would only cost start-up
+        # time (16,384 rows through CPU int4 kernels: minutes) and profile memory never used
+        num_tokens = min(num_tokens, self.draft_rows_bound())
+        mode, padded = self.draft_bucket(num_tokens, use_cudagraphs)
         if is_graph_capturing:
+            if mode != CUDAGraphMode.NONE:
+                self._capture_bucket(mode, padded)
             return
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens,
                                  cudagraph_runtime_mode=CUDAGraphMode.NONE,
@@ -148,20 +179,77 @@ class SubSpecProposer(DraftModelProposer):
             self._peak_temporaries_profiled = True
             self._run_peak_temporaries(hidden.shape[-1], hidden.dtype)
 
-    def _run_peak_temporaries(self, hidden_size: int, dtype: torch.dtype) -> None:
-        """The draft's widest pass past its layers, on random hidden states (as vLLM's sampler
-        warm-up uses): the logits of max_num_seqs x the widest tree's rows, their sharpened fp32
-        log-probabilities, and a tree level's top-k over k x V candidates per request (a
-        chain: the argmax). What the attention rows of a tree pass need is not included: they
-        read the KV cache, which does not exist yet."""
+    def _capture_bucket(self, mode: CUDAGraphMode, padded: int) -> None:
+        """Capture the draft's pieces for one bucket, inside vLLM's capture phase (the runner's
+        capture loop calls `dummy_run` per capture size, gpu_model_runner.py 0.32.0
+        :6588-6635). One eager forward at that row count first, so GemLite's autotuning and
+        Triton's compilation of the bucket run outside the capture; both forwards write no KV
+        (every slot -1, in the drafter's own slot buffer, which its passes use too). A bucket
+        already captured (the runner's larger sizes cap to the draft's bound) is replayed,
+        harmlessly."""
+        slots = self._slot_mapping_buffer[:padded].fill_(PADDING_SLOT_ID)
+        for run_mode in (CUDAGraphMode.NONE, mode):
+            with set_forward_context(None, self.vllm_config, num_tokens=padded,
+                                     cudagraph_runtime_mode=run_mode,
+                                     slot_mapping={n: slots for n in
+                                                   self._draft_attn_layer_names}), \
+                    self._drafting():
+                self.model(input_ids=self.input_ids[:padded], positions=self.positions[:padded])
+
+    def _drafting(self):
+        """The scope of draft forwards: the prefetch offloader's waits are skipped in it (the
+        draft reads no streamed layer; `PrefetchOverlap.drafting`)."""
+        if self.prefetch_overlap is None:
+            return contextlib.nullcontext()
+        return self.prefetch_overlap.drafting()
+
+    def draft_rows_bound(self) -> int:
+        """The most rows one draft pass has: a level of the widest tree for max_num_seqs
+        requests (a bonus or chain pass has one row per request), whole levels of at most
+        max_num_tokens rows (step/draft.py splits wider ones over several passes)."""
         k = max(self.options.widths)
-        # a level pass holds at most max_num_tokens rows (step/draft.py splits wider ones)
-        batch = min(self.vllm_config.scheduler_config.max_num_seqs,
-                    max(1, self.max_num_tokens // k))
+        return k * min(self.vllm_config.scheduler_config.max_num_seqs,
+                       max(1, self.max_num_tokens // k))
+
+    def verify_rows_bound(self) -> int:
+        """The most logits rows one tree verify has: every node of max_num_seqs trees (the
+        widest, deepest shape), within the step's token budget."""
+        return min(self.vllm_config.scheduler_config.max_num_batched_tokens,
+                   self.vllm_config.scheduler_config.max_num_seqs
+                   * (self.options.num_draft_tokens + 1))
+
+    def _run_peak_temporaries(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """What a step allocates past its forwards, at its widest, for vLLM's memory profile
+        (it computes logits for max_num_seqs rows only, gpu_model_runner.py 0.32.0 :6193-6200,
+        and warms the rejection sampler over one draft per request, :5999-6041):
+
+        * the draft's widest pass past its layers, on random hidden states (as vLLM's sampler
+          warm-up uses): the logits of max_num_seqs x the widest tree level, their sharpened
+          fp32 log-probabilities, and a level's top-k over k x V candidates per request (a
+          chain: the argmax);
+        * a tree verify: the target's logits at every node of max_num_seqs trees, held while
+          one chunk of max_num_seqs rows (`verify.row_chunks`) is copied to fp32 (the
+          constraints' copy), scaled by a temperature and drawn by vLLM's own top-k/top-p
+          sampler. A chain is verified by vLLM's rejection sampler, as vLLM's drafters are.
+
+        What the attention rows of a tree pass need is not included: one Triton launch's
+        small inputs on CUDA (step/tree_attention_triton.py); they read the KV cache, which
+        does not exist yet."""
+        k = max(self.options.widths)
+        batch = self.draft_rows_bound() // k
         hidden = torch.rand(batch * k, hidden_size, dtype=dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         if k > 1:  # a chain's argmax adds nothing beyond its logits
             widest_level(logits, batch, k, self.options.draft_temperature)
+        if not self.options.is_tree:
+            return
+        vocab, rows = logits.shape[-1], self.verify_rows_bound()
+        chunk = min(self.runner.max_num_reqs, rows)
+        del hidden, logits
+        verify_logits = torch.rand(rows, vocab, dtype=dtype, device=self.device)
+        scaled = verify_logits[:chunk].float() / 0.5
+        full = lambda value: torch.full((chunk,), value, device=self.device)  # noqa: E731
+        self.runner.sampler.topk_topp_sampler(scaled, {}, full(vocab - 1), full(0.9))
 
     # ---- drafting ------------------------------------------------------------------------
     def propose(
@@ -228,21 +316,25 @@ class SubSpecProposer(DraftModelProposer):
         return decode_cad, last_verified
 
     def _forward_logits(self, cad, input_ids: torch.Tensor, draft_index: int) -> torch.Tensor:
-        """One draft forward over cad's tokens (positions already in self.positions)."""
+        """One draft forward over cad's tokens (positions already in self.positions), padded
+        to its bucket (`draft_bucket`): the padding rows hold earlier passes' tokens and
+        positions, write no KV (slot -1, vLLM's `_get_slot_mapping`) and are attended by
+        nothing (the metadata's num_actual_tokens), and their logits are not computed."""
         num_tokens = cad.num_actual_tokens
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=draft_index)
+        mode, padded = self.draft_bucket(num_tokens)
         self.input_ids[:num_tokens] = input_ids
         with set_forward_context(
             per_layer_metadata,
             self.vllm_config,
-            num_tokens=num_tokens,
-            cudagraph_runtime_mode=CUDAGraphMode.NONE,
-            slot_mapping=self._get_slot_mapping(num_tokens, cad.slot_mapping),
-        ):
-            hidden = self.model(input_ids=self.input_ids[:num_tokens],
-                                positions=self.positions[:num_tokens])
-        return self.model.compute_logits(hidden)
+            num_tokens=padded,
+            cudagraph_runtime_mode=mode,
+            slot_mapping=self._get_slot_mapping(padded, cad.slot_mapping),
+        ), self._drafting():
+            hidden = self.model(input_ids=self.input_ids[:padded],
+                                positions=self.positions[:padded])
+        return self.model.compute_logits(hidden[:num_tokens])
 
     def _advance_one(self, positions, cad):
         """positions += 1, their slots, seq_lens += 1 (vLLM's helper; clamps at max_model_len)."""

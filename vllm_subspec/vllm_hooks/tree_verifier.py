@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
 from vllm_subspec.step.session import StepSession, VerifyRequest
 
@@ -42,9 +42,11 @@ class TreeVerifier:
         """In place of vLLM's `RejectionSampler.__call__` (rejection_sampler.py 0.32.0)."""
         num_draft = list(metadata.num_draft_tokens)
         batch = self.runner.input_batch
+        # fp32 work in chunks of max_num_seqs rows: the size vLLM's sampler warm-up profiles
         walk = self.session.sample_and_walk(batch.req_ids[: len(num_draft)], num_draft, logits,
                                             sampling_metadata,
-                                            self.runner.sampler.topk_topp_sampler)
+                                            self.runner.sampler.topk_topp_sampler,
+                                            self.runner.max_num_reqs)
         if walk.moves:
             # the runner's table holds KV-manager blocks of its own block size, which a
             # backend may split into smaller kernel blocks (block_table.py 0.32.0 :49-197)
@@ -64,7 +66,17 @@ class TreeVerifier:
         Raw logprobs (vLLM's default `logprobs_mode`), from the target's logits where each
         token was drawn, as a plain engine reports them."""
         sampler = self.runner.sampler
-        rows = logits[drawn_at.flatten().to(logits.device)].float()
-        values = rows if sampler.logprobs_mode == "raw_logits" else sampler.compute_logprobs(rows)
+        at = drawn_at.flatten().to(logits.device)
         ids = tokens.flatten().clamp(min=0).to(torch.int64).to(logits.device)
-        return sampler.gather_logprobs(values, max_num_logprobs, ids)
+        parts = []
+        # fp32 rows max_num_seqs at a time, as the draws (one row per output slot: B x (the
+        # widest tree's nodes + 1) in all)
+        for start in range(0, at.shape[0], self.runner.max_num_reqs):
+            chunk = slice(start, start + self.runner.max_num_reqs)
+            rows = logits[at[chunk]].float()
+            values = rows if sampler.logprobs_mode == "raw_logits" \
+                else sampler.compute_logprobs(rows)
+            parts.append(sampler.gather_logprobs(values, max_num_logprobs, ids[chunk]))
+        if len(parts) == 1:
+            return parts[0]
+        return LogprobsTensors(*(torch.cat(field) for field in zip(*(p[:3] for p in parts))))
