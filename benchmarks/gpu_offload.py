@@ -66,6 +66,62 @@ def parse_args():
     return ap.parse_args()
 
 
+# CUDA runtime calls counted per engine step in a profiled window (torch.profiler's CPU-side
+# runtime events): graph replays, and the calls that block the host until the GPU has caught up
+GRAPH_REPLAY_CALLS = ("cudaGraphLaunch",)
+HOST_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def call_counts(events, names: tuple[str, ...]) -> dict[str, int]:
+    """How many of `events` (a torch.profiler `events()` list) have each of `names`."""
+    counts = dict.fromkeys(names, 0)
+    for event in events:
+        if event.name in counts:
+            counts[event.name] += 1
+    return counts
+
+
+def start_call_profile(worker) -> None:
+    """Start counting CUDA runtime calls in the worker (a collective_rpc target)."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    stats = worker.model_runner.drafter.session.stats
+    worker.subspec_call_profile = (profiler, stats.draft_calls, stats.draft_passes,
+                                   stats.draft_seconds)
+
+
+def stop_call_profile(worker) -> dict:
+    """Stop it: per drafting step, graph replays and host syncs, draft passes and seconds."""
+    profiler, calls, passes, seconds = worker.subspec_call_profile
+    profiler.stop()
+    del worker.subspec_call_profile
+    stats = worker.model_runner.drafter.session.stats
+    steps = max(stats.draft_calls - calls, 1)
+    counts = call_counts(profiler.events(), GRAPH_REPLAY_CALLS + HOST_SYNC_CALLS)
+    return {"steps": stats.draft_calls - calls,
+            "graph_replays_per_step": sum(counts[n] for n in GRAPH_REPLAY_CALLS) / steps,
+            "host_syncs_per_step": sum(counts[n] for n in HOST_SYNC_CALLS) / steps,
+            "draft_passes_per_step": (stats.draft_passes - passes) / steps,
+            "draft_seconds_per_step": (stats.draft_seconds - seconds) / steps,
+            "calls": counts}
+
+
+def profiled_steps(llm, prompts, params) -> dict:
+    """Graph replays and host syncs per engine step over one more generation (after the timed
+    runs, so the profiler's overhead is not in their timings)."""
+    llm.collective_rpc(start_call_profile)
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        counts = llm.collective_rpc(stop_call_profile)[0]
+    return counts
+
+
 def random_qwen_7b() -> str:
     path = Path(tempfile.gettempdir()) / "vllm-subspec-qwen2.5-7b-shape"
     path.mkdir(exist_ok=True)
@@ -286,6 +342,7 @@ def main():
 
     plain = run_engine(model, prompts, params, None, **plans["plain"]["engine"])
     spec = run_engine(model, prompts, params, plans["subspec"]["speculative_config"],
+                      probe=lambda llm: profiled_steps(llm, prompts[:2], params),
                       **plans["subspec"]["engine"])
     steps = max(spec.draft_steps, 1)
     draft_pass_ms = 1e3 * spec.draft_seconds / steps / depth
@@ -305,6 +362,10 @@ def main():
         "measured_speedup": spec.timed.tokens_per_second / plain.timed.tokens_per_second,
         "tau": tau, "draft_seconds_per_step": spec.draft_seconds / steps,
         "draft_pass_ms": draft_pass_ms,
+        # a profiled generation of 2 prompts after the timed runs (torch.profiler's counts)
+        "graph_replays_per_step": spec.probed["graph_replays_per_step"],
+        "host_syncs_per_step": spec.probed["host_syncs_per_step"],
+        "profiled_steps": spec.probed,
         "identical": f"{count_identical(plain.batched.token_ids, spec.batched.token_ids)}"
                      f"/{len(prompts)}",
         "PROJECTED_speedup": projected_speedup(tau, depth, setting),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: runs tests/gpu and the GPU offload benchmark (like-for-like
 # memory budget) and writes one report, benchmarks/results/gpu_check.md, with pass/fail per test,
-# τ, tokens/s plain vs SubSpec and the measured host-to-device bandwidth.
+# τ, tokens/s plain vs SubSpec, the measured host-to-device bandwidth, the draft-pass time and,
+# per drafting step, CUDA graph replays and host syncs (torch.profiler's runtime-call counts).
 #
 #   bash scripts/gpu_check.sh                       # SmolLM2 tests + random-weight Qwen2.5-7B shape
 #   MODEL=/models/Qwen2.5-7B-Instruct bash scripts/gpu_check.sh   # real τ in the benchmark

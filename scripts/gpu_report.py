@@ -39,13 +39,17 @@ def report(tests_xml: Path, tests_rc: int, bench_json: Path, bench_rc: int) -> s
         keys = ["command", "gpu", "model", "weights_gb", "memory_limit_gb", "offloaded_layers",
                 "memory_plan",
                 "h2d_bandwidth_gbps", "plain_tokens_per_second", "subspec_tokens_per_second",
-                "measured_speedup", "tau", "draft_pass_ms", "identical", "PROJECTED_speedup"]
+                "measured_speedup", "tau", "draft_pass_ms", "graph_replays_per_step",
+                "host_syncs_per_step", "identical", "PROJECTED_speedup"]
         lines += ["| quantity | value |", "|---|---|"]
         lines += [f"| {k} | {b[k]:.3f} |" if isinstance(b.get(k), float) else f"| {k} | {b.get(k)} |"
                   for k in keys]
         lines += ["", "`identical` is raw token identity in bf16; the losslessness verdict is the "
-                  "tests' (near-tie proof for every difference). PROJECTED_speedup is a model, "
-                  "not a measurement."]
+                  "tests' (near-tie proof for every difference). Graph replays and host syncs "
+                  "per step: CUDA runtime calls (`cudaGraphLaunch`; `cudaStreamSynchronize`, "
+                  "`cudaDeviceSynchronize`, `cudaEventSynchronize`) counted by torch.profiler "
+                  "over a generation of 2 prompts after the timed runs, per drafting step. "
+                  "PROJECTED_speedup is a model, not a measurement."]
     else:
         lines.append("no result file (the benchmark did not finish)")
     return "\n".join(lines) + "\n"

@@ -89,6 +89,7 @@ class EngineRun:
     draft_seconds: float = 0.0  # time the step session spent drafting during the timed run
     draft_steps: int = 0  # drafter calls (one per decode step, drafting or not)
     draft_passes: int = 0  # draft forwards
+    probed: object = None  # what `probe` returned
 
 
 def _draft_timing(worker):
@@ -99,10 +100,11 @@ def _draft_timing(worker):
 
 def run_engine(model: str, prompts, sampling_params, speculative_config=None,
                one_at_a_time: bool = True, identity_run: bool = True, setup=None,
-               **engine_kwargs) -> EngineRun:
+               probe=None, **engine_kwargs) -> EngineRun:
     """Start an engine, warm it up, time the prompts (one at a time by default), then generate
     them as one batch (ignore_eos) for the token-identity check, and shut the engine down.
-    setup: called with the `LLM` once it has started, before the warm-up.
+    setup: called with the `LLM` once it has started, before the warm-up; probe: called with it
+    after the runs, before the shutdown (its result: `EngineRun.probed`).
 
     Why two runs: on the CPU backend a decode step of one sequence (M=1 GEMV) and of several
     (M>1 GEMM) round bf16 differently, so plain greedy decoding itself changes with the batch
@@ -131,7 +133,8 @@ def run_engine(model: str, prompts, sampling_params, speculative_config=None,
             full = sampling_params.clone()
             full.ignore_eos = True
             batched = timed_generate(llm, prompts, full, spec=spec)
-        return EngineRun(timed, batched, *(a - b for a, b in zip(after, before)))
+        probed = probe(llm) if probe is not None else None
+        return EngineRun(timed, batched, *(a - b for a, b in zip(after, before)), probed)
     finally:
         shutdown_engine(llm)
 

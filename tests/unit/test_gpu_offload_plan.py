@@ -7,6 +7,9 @@ import torch
 
 from benchmarks.gpu_offload import (
     DRAFT_BYTES_PER_LOGIT,
+    call_counts,
+    start_call_profile,
+    stop_call_profile,
     QWEN25_7B,
     ModelShape,
     check_memory_plan,
@@ -139,3 +142,33 @@ def test_draft_temporaries_fit_the_plans_bytes_per_logit():
         widest_level(logits, batch, k, 0.2)
     elements = batch * k * vocab
     assert elements * 2 * 4 < mode.peak <= elements * DRAFT_BYTES_PER_LOGIT
+
+
+def test_call_profile_counts_per_drafting_step():
+    """gpu_check's graph replays and host syncs per step come from torch.profiler's events in
+    the worker, divided by the drafter's steps in the window: checked with CPU operators standing
+    in for the CUDA runtime calls (which a CPU run has none of)."""
+    from types import SimpleNamespace
+
+    from vllm_subspec.step.session import StepStats
+
+    stats = StepStats(draft_calls=5, draft_passes=40, draft_seconds=1.0)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(
+        drafter=SimpleNamespace(session=SimpleNamespace(stats=stats))))
+    start_call_profile(worker)
+    x = torch.ones(4)
+    for _ in range(6):
+        x = torch.add(x, 1)
+    x = torch.mul(x, 2)
+    stats.draft_calls, stats.draft_passes, stats.draft_seconds = 8, 64, 1.6
+    out = stop_call_profile(worker)
+    assert out["steps"] == 3 and out["draft_passes_per_step"] == 8
+    assert out["draft_seconds_per_step"] == pytest.approx(0.2)
+    assert out["graph_replays_per_step"] == 0 and out["host_syncs_per_step"] == 0  # no CUDA
+    assert not hasattr(worker, "subspec_call_profile")
+    with torch.profiler.profile() as prof:
+        for _ in range(6):
+            x = torch.add(x, 1)
+        torch.mul(x, 2)
+    assert call_counts(prof.events(), ("aten::add", "aten::mul", "aten::sub")) == \
+        {"aten::add": 6, "aten::mul": 1, "aten::sub": 0}
