@@ -38,6 +38,8 @@ class MetaPasses:
         self.max_rows = max_rows
         self.mask = mask
         self.roots_seen = []  # each level pass's tree-row prefix lengths
+        self.copies = []  # depths of the frontier masses copied to the host
+        self.polls_to_land = 1
 
     def _logits(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, VOCAB, device=META)
@@ -57,8 +59,25 @@ class MetaPasses:
         self.roots_seen.append([r.prefix_len for r in plan.rows] if plan else None)
         return self._logits(tokens.shape[0])
 
+    def copy_to_host(self, tensor):
+        self.copies.append(tensor.shape[1] - 1)  # the depth of the masses copied
+        return LandsLater(tensor.shape, polls=self.polls_to_land)
+
     def synchronize(self):
         raise AssertionError("a draft step waited for the device")
+
+
+class LandsLater:
+    """`draft.HostCopy` on the meta device: ready at the `polls`-th `ready()` (a copy still in
+    flight at the checks before), its value a host tensor of the shape copied."""
+
+    def __init__(self, shape, polls: int):
+        self.value = torch.zeros(shape)
+        self.polls = polls
+
+    def ready(self) -> bool:
+        self.polls -= 1
+        return self.polls <= 0
 
 
 class HostDeviceTraffic(TorchDispatchMode):
@@ -160,3 +179,32 @@ def test_the_traffic_check_catches_a_blocking_copy(copy):
         else:  # what draft_tree did when its active set changed
             torch.tensor([0, 2], device=META)
     assert traffic.blocking
+
+
+@pytest.mark.parametrize("polls", [1, 2])
+def test_the_adaptive_stop_reads_landed_masses_without_waiting(polls):
+    """An auto depth's `drafting_next` on a device: every 4 depths a non-blocking copy of the
+    masses starts, and a later check hands them over once landed (here: at the first or the
+    second poll); nothing waits. Request 0 is dropped at the first masses seen, from the
+    depth they were taken at, acting that many checks late; the rest draft to the end."""
+    shape = TreeShape(2, 16)
+    mask = TreeMask()
+    passes = MetaPasses([5, 20, 9], mask)
+    passes.polls_to_land = polls
+    asked = []
+
+    def drafting_next(log_mass, reached):
+        asked.append((log_mass.shape[1] - 1, list(reached)))
+        return [i for i, r in enumerate(reached) if r == log_mass.shape[1] - 1 and i != 0]
+
+    with HostDeviceTraffic() as traffic:
+        draft = draft_tree(passes, torch.zeros(3, dtype=torch.int64, device=META), shape,
+                           mask, temperature=1.0, drafting_next=drafting_next)
+    assert traffic.blocking == []
+    # a copy starts at each check with none in flight (depths 4, 8, 12 or 4, 12) and is read at
+    # the first later check that finds it landed (the last one: no check after it)
+    landed = {1: [(4, [4, 4, 4]), (8, [8, 8, 8])], 2: [(4, [4, 4, 4])]}[polls]
+    assert asked == landed
+    assert passes.copies == ([4, 8, 12] if polls == 1 else [4, 12])
+    # request 0 stops at the check that saw depth 4's masses: depth 8 (or 12 if it landed late)
+    assert draft.reached == [8 if polls == 1 else 12, 16, 16]

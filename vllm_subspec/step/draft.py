@@ -48,8 +48,48 @@ class DraftPasses(Protocol):
         indices; None: all B), in slots L + level(depth), at position L + depth ->
         [R * k, V]. The caller activates the tree mask around it."""
 
+    def copy_to_host(self, tensor: torch.Tensor) -> HostCopy:
+        """Start copying a device tensor to the host without waiting (on a device only)."""
+
     def synchronize(self) -> None:
         """Wait for the device (no-op on CPU)."""
+
+
+class HostCopy:
+    """A device tensor's copy into pinned host memory, started without waiting; `ready()` asks
+    the copy's event, which does not wait either (CUDA)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.value = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.value.copy_(tensor, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def ready(self) -> bool:
+        return self.event.query()
+
+
+class FrontierReads:
+    """The frontier masses `drafting_next` reads, with the depths reached when they were taken.
+    On CPU: read at once. On a device, never waited for: each check starts a non-blocking copy
+    and a later check reads it once it has landed (until then checks start none), so the
+    adaptive stop costs no host sync and acts a check late (drafting more than it needs: a
+    draft decision, never an output one)."""
+
+    def __init__(self, passes: DraftPasses):
+        self.passes = passes
+        self.landing: tuple[HostCopy, list[int]] | None = None
+
+    def read(self, log_mass: torch.Tensor, reached: list[int]
+             ) -> tuple[torch.Tensor, list[int]] | None:
+        if not self.passes.on_device:
+            return log_mass.cpu(), list(reached)
+        seen = None
+        if self.landing is not None and self.landing[0].ready():
+            seen, self.landing = (self.landing[0].value, self.landing[1]), None
+        if self.landing is None:
+            self.landing = (self.passes.copy_to_host(log_mass), list(reached))
+        return seen
 
 
 @dataclass
@@ -89,15 +129,16 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
                clock: Callable[[], float] = time.perf_counter) -> TreeDraft:
     """Grow this step's trees to `shape.depth` at most.
 
-    drafting_next: asked every `check_every` depths (4 on a device, where each check reads the
-    masses on the host: a sync; else every depth) which requests draft on; those left out stop
-    (their later nodes stay dead), and drafting ends when none is left. None: all go on.
+    drafting_next: asked which requests draft on, every depth on CPU; on a device every 4
+    depths, with the masses of an earlier check that have landed on the host
+    (`FrontierReads`: no sync); those left out stop (their later nodes stay dead), and
+    drafting ends when none is left. None: all go on.
     A request whose next level would pass max_model_len stops there too (by the bound of its
     root's position on a device, so perhaps a level early); the others go on (`reached` says
     how deep each got). On a device nothing inside the passes reads the device but
-    `drafting_next`'s masses: the roots stay there (each request's tree rows take its root as a
-    0-d tensor) and index tensors are copied from pinned memory without waiting
-    (`device_index`)."""
+    the roots stay there (each request's tree rows take its root as a 0-d tensor), index
+    tensors are copied from pinned memory without waiting (`device_index`), and the masses
+    come back without waiting."""
     b, k = passes.batch_size, shape.width
     check_every = 4 if passes.on_device else 1
     start = clock()
@@ -112,13 +153,18 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
     rows = None  # their indices on the device; None while all are
     reached = [1] * b  # depths drafted, per request
     pass_rows, level_forwards = [], 0
+    frontier = FrontierReads(passes)
     for d in range(1, shape.depth):
-        if drafting_next is not None and d % check_every == 0:
-            going = drafting_next(tree.log_mass[:, : d + 1].cpu(), reached)
+        seen = frontier.read(tree.log_mass[:, : d + 1], reached) \
+            if drafting_next is not None and d % check_every == 0 else None
+        if seen is not None:
+            going = set(drafting_next(*seen))  # of the requests at that check's depth
             if not going:
                 break
-            if len(going) < len(active):
-                active = going
+            if not going.issuperset(active):  # in order; any stopped since stays stopped
+                active = [i for i in active if i in going]
+                if not active:
+                    break
                 rows = device_index(active, root_pos.device)
         # a request stops before any node of its next level would pass max_model_len
         fits = [i for i in active if bounds[i] + (d + 1) * k < passes.max_model_len]

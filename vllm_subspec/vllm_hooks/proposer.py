@@ -37,7 +37,7 @@ from vllm_subspec.draft_model.substitute import gemlite_autotune_kept
 from vllm_subspec.draft_model.substitute_cache import gemlite_autotune_path
 from vllm_subspec.step.node_constraints import chain_only_reason
 from vllm_subspec.step.paged_kv import logical_to_slots
-from vllm_subspec.step.draft import device_index
+from vllm_subspec.step.draft import HostCopy, device_index
 from vllm_subspec.step.session import StepSession
 from vllm_subspec.step.tree import TreeShape, widest_level
 from vllm_subspec.vllm_hooks.draft_compile import draft_model
@@ -443,6 +443,9 @@ class VllmDraftPasses:
         if self._active[0] is not active:
             self._active = (active, device_index(active, self._root.device))
         return self._active[1]
+
+    def copy_to_host(self, tensor: torch.Tensor) -> HostCopy:
+        return HostCopy(tensor)
 
     def synchronize(self) -> None:
         if self.on_device:  # the compute stream only: the offloader's copy stream keeps going
