@@ -123,10 +123,12 @@ def test_gpu_start_sequence_walked_on_cpu_then_lossless(default_engine, prompts,
     assert walk["profile_logits_rows"] == walk["max_num_seqs"] * 6
     assert walk["draft_logits_after_profile"] == []  # only there: not at capture or warm-up
     # the runner profiles max_num_batched_tokens rows; the draft's forward only its own bound,
-    # the widest tree level of max_num_seqs requests (start-up time: minutes on CPU otherwise)
+    # the widest tree level of max_num_seqs requests (padded to a capture size where there
+    # are any): start-up time, minutes on CPU otherwise
     profile_forwards = [rows for phase, rows in walk["draft_forward_rows"] if phase == "profile"]
-    assert profile_forwards == [walk["max_num_seqs"] * 6]
-    assert walk["max_num_seqs"] * 6 < walk["profile_batch_rows"]
+    assert walk["draft_rows_bound"] == walk["max_num_seqs"] * 6
+    assert profile_forwards == [walk["warm_up_rows"]]
+    assert walk["draft_rows_bound"] <= walk["warm_up_rows"] < walk["profile_batch_rows"]
     assert walk["sampler_warm_up_rows"] == walk["max_num_seqs"]
     # ... and a tree verify's logits (every node of max_num_seqs trees, more rows than the
     # runner's own profile computes) were live in it, with one chunk's fp32 work
@@ -211,6 +213,8 @@ def _walk_gpu_start(worker) -> dict:
             "draft_logits_after_profile": logits_rows[profiled:],
             "max_num_seqs": runner.scheduler_config.max_num_seqs,
             "profile_batch_rows": runner.max_num_tokens,
+            "draft_rows_bound": drafter.draft_rows_bound(),
+            "warm_up_rows": drafter.warm_up_rows(),
             "profile_peak_bytes": profile_bytes.peak,
             "verify_logits_bytes": drafter.verify_rows_bound() * runner.model_config.get_vocab_size()
             * runner.model_config.dtype.itemsize,

@@ -148,8 +148,8 @@ class PrefetchOverlap:
     @contextlib.contextmanager
     def drafting(self):
         """The scope of a draft forward. A captured draft piece's replay calls
-        `sync_prev_onload` too (CUDAGraphWrapper, cuda_graph.py 0.32.0 :356-358, and before
-        each capture :311): inside this scope the call is skipped, waits and bookkeeping
+        `sync_prev_onload` too (CUDAGraphWrapper, cuda_graph.py 0.32.0 :360, and before each
+        capture :311): inside this scope the call is skipped, waits and bookkeeping
         alike. The draft reads no streamed layer, so it must neither wait for the copies it
         is meant to overlap nor be taken for the next target forward."""
         self._drafting = True

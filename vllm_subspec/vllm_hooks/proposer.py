@@ -61,6 +61,7 @@ class SubSpecProposer(DraftModelProposer):
         self.runner = runner
         self.session = session  # decides what to draft; owns the tree mask and the tuner
         self._peak_temporaries_profiled = False  # dummy_run: once, in vLLM's profiling pass
+        self.captured_buckets: set[int] = set()  # row counts whose draft pieces are captured
         self.prefetch_overlap: PrefetchOverlap | None = None  # set in load_model
         self.metrics: StepMetricsFile | None = None  # set in load_model (TP rank 0)
 
@@ -123,11 +124,18 @@ class SubSpecProposer(DraftModelProposer):
         vllm_hooks/draft_compile.py), which splits it at the attention ops and wraps each piece
         between them in a CUDAGraphWrapper. A draft pass then pads its rows to the next capture
         size and replays the pieces of that bucket; attention, tree attention inside it, runs
-        eagerly between them. Without a compiled draft there are no pieces: no keys."""
+        eagerly between them. No keys where there are no pieces: without a compiled draft, or
+        without piecewise graphs (a FULL mode wraps no piece, backends.py 0.32.0 :656-662, and
+        the runner asks for no draft capture in it, gpu_model_runner.py :5873-5882), and none
+        under vLLM's breakable graphs (the runner wraps the drafter's model in its own wrapper
+        then, :5189-5208)."""
+        from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
         from vllm.config import CompilationMode
 
-        compiled = self.vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE
-        super().initialize_cudagraph_keys(cudagraph_mode if compiled else CUDAGraphMode.NONE)
+        pieces = self.vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE \
+            and cudagraph_mode.has_piecewise_cudagraphs() \
+            and not is_breakable_cudagraph_enabled()
+        super().initialize_cudagraph_keys(cudagraph_mode if pieces else CUDAGraphMode.NONE)
 
     def draft_bucket(self, num_tokens: int, use_cudagraphs: bool = True
                      ) -> tuple[CUDAGraphMode, int]:
@@ -135,9 +143,20 @@ class SubSpecProposer(DraftModelProposer):
         captured bucket of vLLM's dispatcher (the next capture size), or eager unpadded (no
         keys, CPU, past the largest capture size). The dispatcher alone, not the base class's
         `_determine_batch_execution_and_padding`: that one synchronizes data-parallel ranks per
-        forward, and a rank's draft passes per step are its own."""
+        forward, and a rank's draft passes per step are its own.
+
+        Eager instead, on CUDA, for a bucket the capture phase did not capture (the wrapper
+        would capture on the miss, and capturing outside that phase raises, monitor.py :101-110)
+        and while a request in the batch asks for prompt logprobs: the runner computes them
+        from the target's hidden states after drafting (gpu_model_runner.py :4409, :4477,
+        :3589), and all graphs share one memory pool, which a draft replay may write over the
+        target's last piece's output (vLLM issue 53488)."""
         mode, batch = self.cudagraph_dispatcher.dispatch(
             num_tokens, valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE})
+        if mode != CUDAGraphMode.NONE and self.device.type == "cuda" and (
+                batch.num_tokens not in self.captured_buckets
+                or getattr(self.runner, "num_prompt_logprobs", None)):
+            return CUDAGraphMode.NONE, num_tokens
         return mode, batch.num_tokens
 
     @torch.inference_mode()
@@ -163,12 +182,14 @@ class SubSpecProposer(DraftModelProposer):
         # the runner asks for its own widest batch (max_num_batched_tokens in the profile); a
         # draft pass is never wider than its bound, and wider rows would only cost start-up
         # time (16,384 rows through CPU int4 kernels: minutes) and profile memory never used
-        num_tokens = min(num_tokens, self.draft_rows_bound())
-        mode, padded = self.draft_bucket(num_tokens, use_cudagraphs)
         if is_graph_capturing:
+            mode, batch = self.cudagraph_dispatcher.dispatch(
+                min(num_tokens, self.draft_rows_bound()),
+                valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE})
             if mode != CUDAGraphMode.NONE:
-                self._capture_bucket(mode, padded)
+                self._capture_bucket(mode, batch.num_tokens)
             return
+        num_tokens = min(num_tokens, self.warm_up_rows())
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens,
                                  cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                  slot_mapping=slot_mappings if isinstance(slot_mappings, dict)
@@ -187,6 +208,7 @@ class SubSpecProposer(DraftModelProposer):
         (every slot -1, in the drafter's own slot buffer, which its passes use too). A bucket
         already captured (the runner's larger sizes cap to the draft's bound) is replayed,
         harmlessly."""
+        self.captured_buckets.add(padded)
         slots = self._slot_mapping_buffer[:padded].fill_(PADDING_SLOT_ID)
         for run_mode in (CUDAGraphMode.NONE, mode):
             with set_forward_context(None, self.vllm_config, num_tokens=padded,
@@ -204,12 +226,24 @@ class SubSpecProposer(DraftModelProposer):
         return self.prefetch_overlap.drafting()
 
     def draft_rows_bound(self) -> int:
-        """The most rows one draft pass has: a level of the widest tree for max_num_seqs
-        requests (a bonus or chain pass has one row per request), whole levels of at most
-        max_num_tokens rows (step/draft.py splits wider ones over several passes)."""
-        k = max(self.options.widths)
-        return k * min(self.vllm_config.scheduler_config.max_num_seqs,
-                       max(1, self.max_num_tokens // k))
+        """The most rows one draft pass has: a bonus or chain pass one row per request (at
+        most max_num_seqs, within max_num_tokens), a tree level k rows per request in whole
+        levels of at most max_num_tokens rows (step/draft.py splits wider ones over several
+        passes), for every width a step may use (a narrower one can fill more rows)."""
+        seqs = self.vllm_config.scheduler_config.max_num_seqs
+        return max([min(seqs, self.max_num_tokens)]
+                   + [k * min(seqs, max(1, self.max_num_tokens // k))
+                      for k in self.options.widths])
+
+    def warm_up_rows(self) -> int:
+        """The row count of the draft's warm-up forwards, its first (compiling) one included:
+        its bound padded to a capture size (vLLM sizes static graph inputs from the first call,
+        backends.py :1316-1341), never one row (a dynamic dimension of size 1 is
+        specialized away)."""
+        bound = self.draft_rows_bound()
+        sizes = sorted(self.vllm_config.compilation_config.cudagraph_capture_sizes or [])
+        padded = next((c for c in sizes if c >= bound), bound)
+        return min(max(2, padded), self.max_num_tokens)
 
     def verify_rows_bound(self) -> int:
         """The most logits rows one tree verify has: every node of max_num_seqs trees (the
@@ -236,7 +270,8 @@ class SubSpecProposer(DraftModelProposer):
         small inputs on CUDA (step/tree_attention_triton.py); they read the KV cache, which
         does not exist yet."""
         k = max(self.options.widths)
-        batch = self.draft_rows_bound() // k
+        batch = min(self.vllm_config.scheduler_config.max_num_seqs,
+                    max(1, self.max_num_tokens // k))
         hidden = torch.rand(batch * k, hidden_size, dtype=dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         if k > 1:  # a chain's argmax adds nothing beyond its logits
