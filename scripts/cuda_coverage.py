@@ -38,7 +38,10 @@ CUDA_ONLY = {
     # engine code with CUDA-only branches (prefetch overlap, warm-up, stream sync): the CPU
     # unit tests do not start an engine, so these show what runs only inside one
     "vllm_hooks/proposer.py": ["SubSpecProposer.load_model", "SubSpecProposer.propose",
-                               "VllmDraftPasses.synchronize"],
+                               "VllmDraftPasses.synchronize", "VllmDraftPasses.copy_to_host",
+                               "SubSpecProposer.draft_bucket",
+                               "SubSpecProposer.initialize_cudagraph_keys"],
+    "step/draft.py": ["HostCopy"],
 }
 
 # why the statements a row lists as not run cannot run in this pass
@@ -51,6 +54,11 @@ NOT_RUN_BECAUSE = {
     ("vllm_hooks/proposer.py", "SubSpecProposer.propose"):
         "engine code, as above; on CPU its `start_before_draft()` call (no prefetch offloader) "
         "is skipped",
+    ("vllm_hooks/proposer.py", "VllmDraftPasses.copy_to_host"):
+        "engine code, as above; called only on a device (a CPU step reads the masses at once)",
+    ("step/draft.py", "HostCopy"):
+        "pinned memory and a CUDA event: needs a CUDA device (the meta-device test stands in "
+        "for it with `LandsLater`)",
     ("vllm_hooks/proposer.py", "VllmDraftPasses.synchronize"):
         "engine code, as above; on CPU the compute-stream `synchronize()` is skipped (no CUDA "
         "tensors)",

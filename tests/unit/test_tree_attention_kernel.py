@@ -378,3 +378,20 @@ def test_the_scratch_layout_is_computed_once_per_forward(isa, monkeypatch):
                                      SimpleNamespace(block_table=table), output)
             assert torch.equal(output.view(-1, heads, d), expected)
         assert len(built) == (1 if plans[0] is plans[1] else 2)
+
+
+def test_the_triton_layout_takes_device_roots_as_given_integers():
+    """`tree_rows_layout` (the CUDA kernel's inputs): a draft pass's roots arrive as 0-d device
+    tensors (never read on the host) and a verify's as integers; both land in the per-request
+    table's L column, the same table either way (CPU tensors stand in for the device)."""
+    pytest.importorskip("triton")
+    from vllm_subspec.step.tree_attention_triton import tree_rows_layout
+
+    masks = [torch.ones(3, 4, dtype=torch.bool).tril(1), torch.ones(3, 4, dtype=torch.bool)]
+    as_ints = [TreeRows(0, 0, 17, masks[0]), TreeRows(1, 3, 40, masks[1])]
+    mixed = [TreeRows(0, 0, torch.tensor(17), masks[0]), TreeRows(1, 3, 40, masks[1])]
+    cpu = torch.device("cpu")
+    a, b = tree_rows_layout(as_ints, cpu, groups=2), tree_rows_layout(mixed, cpu, groups=2)
+    assert a.requests[:, 3].tolist() == [17, 40]
+    assert torch.equal(a.requests, b.requests) and torch.equal(a.tiles, b.tiles)
+    assert torch.equal(a.masks, b.masks) and a.masks.dtype == torch.int8
