@@ -163,12 +163,6 @@ def _walk_gpu_start(worker) -> dict:
         logits_rows.append(hidden.shape[0])
         return compute_logits(hidden)
 
-    forward, forward_rows = drafter.model.forward, []
-
-    def recorded_forward(input_ids, positions, *args, **kwargs):
-        forward_rows.append((phase[0], input_ids.shape[0]))
-        return forward(input_ids, positions, *args, **kwargs)
-
     sampler_rows = []
 
     def recorded_verifier(metadata, draft_probs, logits, sampling_metadata):
@@ -176,7 +170,7 @@ def _walk_gpu_start(worker) -> dict:
         return verifier(metadata, draft_probs, logits, sampling_metadata)
 
     drafter.dummy_run, drafter.model.compute_logits = recorded_dummy_run, recorded_logits
-    drafter.model.forward = recorded_forward
+    forward_rows = _record_draft_forwards(drafter, lambda: phase[0])
     runner.rejection_sampler = recorded_verifier
     try:
         # 1. before initialize_from_config: every cache is vLLM's placeholder, no KV config
@@ -319,19 +313,27 @@ def _pad_draft_passes(worker, on: bool) -> None:
     drafter.draft_bucket = recorded
 
 
+def _record_draft_forwards(drafter, tag) -> list:
+    """Record (tag(), rows) for every forward of the drafter's model, until
+    `del drafter.model.forward` puts the class's forward back."""
+    forward, seen = drafter.model.forward, []
+
+    def recorded(input_ids, positions, *args, **kwargs):
+        seen.append((tag(), input_ids.shape[0]))
+        return forward(input_ids, positions, *args, **kwargs)
+
+    drafter.model.forward = recorded
+    return seen
+
+
 def _capture_calls(worker) -> dict:
     import torch
     from vllm.forward_context import get_forward_context
 
     runner, drafter = worker.model_runner, worker.model_runner.drafter
-    forward, seen = drafter.model.forward, []
-
-    def recorded(input_ids, positions, *args, **kwargs):
-        seen.append((get_forward_context().cudagraph_runtime_mode.name, input_ids.shape[0]))
-        return forward(input_ids, positions, *args, **kwargs)
-
     before = [c.clone() for c in runner.kv_caches]
-    drafter.model.forward = recorded
+    seen = _record_draft_forwards(
+        drafter, lambda: get_forward_context().cudagraph_runtime_mode.name)
     forwards = {}
     try:
         for size in (5, 1000):

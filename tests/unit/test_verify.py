@@ -201,7 +201,7 @@ def mixed_batch(max_num_reqs: int, max_logprobs=None):
     meta.temperature[[i for i, kind in enumerate(MIXED) if kind == "greedy"]] = 0.0
     meta.top_k = torch.full((len(MIXED),), 12)
     meta.bad_words_token_ids = {3: [[5, 7]]}
-    step = step_with({r: t for r, t in trees.items()}, max_num_reqs=max_num_reqs)
+    step = step_with(trees, max_num_reqs=max_num_reqs)
     return step, num_draft, logits, meta
 
 

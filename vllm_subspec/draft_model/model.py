@@ -244,9 +244,13 @@ def draft_row_counts(max_num_seqs: int, tree_width: int | tuple[int, ...],
     widths = (tree_width,) if isinstance(tree_width, int) else tree_width
     batches = range(1, max(max_num_seqs, 1) + 1)
     rows = set(batches) | {b * max(k, 1) for b in batches for k in widths}
-    sizes = sorted(capture_sizes)
-    rows |= {next(c for c in sizes if c >= n) for n in rows if sizes and n <= sizes[-1]}
-    return sorted(rows)
+    return sorted(rows | {capture_bucket(n, capture_sizes) for n in rows})
+
+
+def capture_bucket(rows: int, capture_sizes: list[int] | tuple[int, ...]) -> int:
+    """`rows` padded to the next CUDA-graph capture size, as vLLM's dispatcher pads a batch
+    (`rows` itself past the largest size, or without any)."""
+    return next((c for c in sorted(capture_sizes) if c >= rows), rows)
 
 
 LM_HEAD, LM_HEAD_INDEX = ("lm_head",), -1  # the lm_head's job id and cache index

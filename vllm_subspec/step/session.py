@@ -235,7 +235,7 @@ class StepSession:
                         sampling_metadata, topk_topp_sampler,
                         max_rows: int | None = None) -> WalkResult:
         """logits: [sum(num_draft) + B, V] the target's, each request's root row first;
-        max_rows: the most rows drawn at once (`verify.row_chunks`)."""
+        max_rows: the most rows drawn at once (`verify.sample_then_match`)."""
         trees = [self.verifying.get(rid) if n else None for rid, n in zip(req_ids, num_draft)]
         walk = sample_then_match(trees, num_draft, logits, sampling_metadata, topk_topp_sampler,
                                  max_rows)

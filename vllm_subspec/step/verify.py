@@ -22,6 +22,7 @@ bookkeeping, scheduler and spec-decode metrics work unchanged (τ = emitted toke
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -166,7 +167,7 @@ def seeded_draws(depths: list[list[int]], sampling_metadata, topk_topp_sampler,
     node depths, one per logits row (requests' rows consecutive)."""
     if sampling_metadata.all_greedy:
         return {}, {}
-    offsets = [sum(len(ds) for ds in depths[:r]) for r in range(len(depths))]
+    offsets = [0, *itertools.accumulate(len(ds) for ds in depths)]  # first row per request
     seeded, row_generators = {}, {}
     for r, gen in sampling_metadata.generators.items():
         seeded[r] = SeededDraws(gen, max(depths[r]) + 1, topk_topp_sampler, vocab_size, device)

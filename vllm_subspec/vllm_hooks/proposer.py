@@ -32,7 +32,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from vllm_subspec.config import options_from_vllm_config
-from vllm_subspec.draft_model.model import SubstituteSet, decoder_layers
+from vllm_subspec.draft_model.model import SubstituteSet, capture_bucket, decoder_layers
 from vllm_subspec.draft_model.substitute import gemlite_autotune_kept
 from vllm_subspec.draft_model.substitute_cache import gemlite_autotune_path
 from vllm_subspec.step.node_constraints import chain_only_reason
@@ -140,10 +140,8 @@ class SubSpecProposer(DraftModelProposer):
     def draft_bucket(self, num_tokens: int, use_cudagraphs: bool = True
                      ) -> tuple[CUDAGraphMode, int]:
         """(runtime mode, padded row count) of a draft forward over `num_tokens` rows: a
-        captured bucket of vLLM's dispatcher (the next capture size), or eager unpadded (no
-        keys, CPU, past the largest capture size). The dispatcher alone, not the base class's
-        `_determine_batch_execution_and_padding`: that one synchronizes data-parallel ranks per
-        forward, and a rank's draft passes per step are its own.
+        captured bucket of vLLM's dispatcher (`_dispatch`: the next capture size), or eager
+        unpadded (no keys, CPU, past the largest capture size).
 
         Eager instead, on CUDA, for a bucket the capture phase did not capture (the wrapper
         would capture on the miss, and capturing outside that phase raises, monitor.py :101-110)
@@ -151,12 +149,19 @@ class SubSpecProposer(DraftModelProposer):
         from the target's hidden states after drafting (gpu_model_runner.py :4409, :4477,
         :3589), and all graphs share one memory pool, which a draft replay may write over the
         target's last piece's output (vLLM issue 53488)."""
-        mode, batch = self.cudagraph_dispatcher.dispatch(
-            num_tokens, valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE})
+        mode, padded = self._dispatch(num_tokens, use_cudagraphs)
         if mode != CUDAGraphMode.NONE and self.device.type == "cuda" and (
-                batch.num_tokens not in self.captured_buckets
+                padded not in self.captured_buckets
                 or getattr(self.runner, "num_prompt_logprobs", None)):
             return CUDAGraphMode.NONE, num_tokens
+        return mode, padded
+
+    def _dispatch(self, num_tokens: int, use_cudagraphs: bool) -> tuple[CUDAGraphMode, int]:
+        """vLLM's dispatcher alone, not the base class's `_determine_batch_execution_and_padding`:
+        that one synchronizes data-parallel ranks per forward, and a rank's draft passes per
+        step are its own."""
+        mode, batch = self.cudagraph_dispatcher.dispatch(
+            num_tokens, valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE})
         return mode, batch.num_tokens
 
     @torch.inference_mode()
@@ -183,11 +188,10 @@ class SubSpecProposer(DraftModelProposer):
         # draft pass is never wider than its bound, and wider rows would only cost start-up
         # time (16,384 rows through CPU int4 kernels: minutes) and profile memory never used
         if is_graph_capturing:
-            mode, batch = self.cudagraph_dispatcher.dispatch(
-                min(num_tokens, self.draft_rows_bound()),
-                valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE})
+            mode, padded = self._dispatch(min(num_tokens, self.draft_rows_bound()),
+                                          use_cudagraphs)
             if mode != CUDAGraphMode.NONE:
-                self._capture_bucket(mode, batch.num_tokens)
+                self._capture_bucket(mode, padded)
             return
         num_tokens = min(num_tokens, self.warm_up_rows())
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens,
@@ -240,9 +244,8 @@ class SubSpecProposer(DraftModelProposer):
         its bound padded to a capture size (vLLM sizes static graph inputs from the first call,
         backends.py :1316-1341), never one row (a dynamic dimension of size 1 is
         specialized away)."""
-        bound = self.draft_rows_bound()
-        sizes = sorted(self.vllm_config.compilation_config.cudagraph_capture_sizes or [])
-        padded = next((c for c in sizes if c >= bound), bound)
+        padded = capture_bucket(self.draft_rows_bound(),
+                                self.vllm_config.compilation_config.cudagraph_capture_sizes or ())
         return min(max(2, padded), self.max_num_tokens)
 
     def verify_rows_bound(self) -> int:
@@ -262,7 +265,7 @@ class SubSpecProposer(DraftModelProposer):
           fp32 log-probabilities, and a level's top-k over k x V candidates per request (a
           chain: the argmax);
         * a tree verify: the target's logits at every node of max_num_seqs trees, held while
-          one chunk of max_num_seqs rows (`verify.row_chunks`) is copied to fp32 (the
+          one chunk of max_num_seqs rows (`verify.sample_then_match`) is copied to fp32 (the
           constraints' copy), scaled by a temperature and drawn by vLLM's own top-k/top-p
           sampler. A chain is verified by vLLM's rejection sampler, as vLLM's drafters are.
 
