@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from vllm_subspec.step.tree import TreeBatch, TreeShape
-from vllm_subspec.step.paged_kv import CpuVecLayout, cpu_layout
+from vllm_subspec.step.paged_kv import CpuVecLayout, cpu_layout, logical_to_slots
 from vllm_subspec.step.tree_attention import (
+    SCRATCH_BLOCK,
     TreeMask,
     TreePlan,
     TreeRows,
@@ -276,49 +277,95 @@ def test_torch_rows_group_query_heads_like_one_head_at_a_time(heads, kv_heads):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+# (isa, cache block size): vLLM's default 128-token blocks; 32, one scratch block per cache
+# block; 16 with vec16, blocks smaller than the scratch's (the prefix copied token-wise)
+ISA_BLOCKS = [pytest.param("vec", BS, id="vec-128"), pytest.param("vec", 32, id="vec-32"),
+              pytest.param("vec16", 16, id="vec16-16"),
+              pytest.param("amx", BS, id="amx-128", marks=ISAS[1].marks)]
+# requests of one forward: (prefix L, rows): a whole tree (width, depth) verified, a draft
+# level ("level", width, depth: its k deepest nodes over every slot up to them), one row
+BATCHES = {
+    # no shared block, a cache block boundary, several cache blocks
+    "blocks": [(0, "tree", 3, 3), (130, "tree", 2, 4), (300, "tree", 4, 2)],
+    # prefixes at exact multiples of 32 and of the cache block, one of them a lone row
+    "multiples": [(64, "tree", 3, 3), (256, "one"), (32, "level", 2, 3), (128, "tree", 2, 2)],
+    # prefixes under 32 tokens, draft levels and lone rows between trees
+    "short": [(17, "tree", 2, 3), (96, "one"), (5, "level", 3, 2), (31, "level", 2, 4),
+              (161, "one")],
+}
+
+
+def request_mask(g, rows, width=1, depth=1):
+    """[q_len, m] ancestor-or-self mask of a grown tree's rows (`rows`: as in BATCHES)."""
+    if rows == "one":
+        return torch.ones(1, 1, dtype=torch.bool)
+    shape = TreeShape(width, depth)
+    tree = TreeBatch(shape, torch.tensor([0]))
+    tree.grow(torch.randn(1, 11, generator=g).log_softmax(-1))
+    for _ in range(depth - 1):
+        tree.grow(torch.randn(1, width, 11, generator=g).log_softmax(-1))
+    level = shape.level(depth)
+    return tree.mask[0] if rows == "tree" else tree.mask[0, level, : level.stop]
+
+
+def own_path_decode(ops, q, keys, values, visible, scale, isa, block):
+    """vLLM's kernel decoding q at the end of exactly `visible` positions' K/V, contiguous in a
+    fresh cache: what plain decoding of that node computes."""
+    n, (_, kv_heads, d) = len(visible), keys.shape
+    own = torch.zeros(-(-n // block) + 1, kv_heads, block, 2 * d, dtype=keys.dtype)
+    table = torch.arange(own.shape[0] - 1, dtype=torch.int32).flip(0)
+    logical = torch.arange(n)
+    write(ops, own, keys[visible], values[visible],
+          table[logical // block].long() * block + logical % block, isa)
+    return decode(ops, q, own, table, n, scale, isa)
+
+
+@pytest.mark.parametrize("isa, block", ISA_BLOCKS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_requests_rows_in_one_kernel_call_equal_each_alone(isa, dtype):
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_every_requests_rows_in_one_kernel_call_equal_each_alone(isa, block, dtype, batch):
     """`apply_tree_attention` runs the rows of every tree request of a forward in one kernel
-    call; each request's rows must be bit-identical to its own call (prefixes of 0, 130 and
-    300 tokens: no shared block, a block boundary, several blocks), and the layer's output rows
-    of other requests untouched."""
+    call; each request's rows must be bit-identical to its own call and to vLLM's kernel
+    decoding that row's own path (prefix then ancestors then itself), for requests of different
+    prefix lengths (under 32 tokens, at multiples of 32 and of the cache block, across cache
+    blocks), rows and tree slots in one batch, and the layer's output rows of other requests
+    untouched."""
     from types import SimpleNamespace
 
     ops = _ops()
     isa_dtype(isa, dtype)
+    specs = BATCHES[batch]
     heads, kv_heads, d = 9, 3, 64
     g = torch.Generator().manual_seed(5)
-    kv = torch.zeros(12, kv_heads, BS, 2 * d, dtype=dtype)
-    tables = torch.randperm(12, generator=g)[:12].view(3, 4).to(torch.int32)
-    n = 4 * BS
+    n = 512  # tokens per request's cache
+    per = n // block
+    kv = torch.zeros(len(specs) * per + 2, kv_heads, block, 2 * d, dtype=dtype)
+    tables = torch.randperm(kv.shape[0], generator=g)[: len(specs) * per].view(-1, per) \
+        .to(torch.int32)
+    keys, values = [], []
     for table in tables:
         logical = torch.arange(n)
-        write(ops, kv, (2 * torch.randn(n, kv_heads, d, generator=g)).to(dtype),
-              torch.randn(n, kv_heads, d, generator=g).to(dtype),
-              table[logical // BS].long() * BS + logical % BS, isa)
-    masks = []
-    for width, depth in ((3, 3), (2, 4), (4, 2)):
-        tree = TreeBatch(TreeShape(width, depth), torch.tensor([0]))
-        tree.grow(torch.randn(1, 11, generator=g).log_softmax(-1))
-        for _ in range(depth - 1):
-            tree.grow(torch.randn(1, width, 11, generator=g).log_softmax(-1))
-        masks.append(tree.mask[0])
-    # query rows: request 0's tree, a plain decode row, request 1's, request 2's
+        keys.append((2 * torch.randn(n, kv_heads, d, generator=g)).to(dtype))
+        values.append(torch.randn(n, kv_heads, d, generator=g).to(dtype))
+        write(ops, kv, keys[-1], values[-1],
+              table[logical // block].long() * block + logical % block, isa)
+    masks = [request_mask(g, *spec[1:]) for spec in specs]
+    # query rows: request 0's tree, a plain decode row, then the other requests'
     starts, at = [], 0
     for i, m in enumerate(masks):
         at += 1 if i == 1 else 0
         starts.append(at)
         at += m.shape[0]
     query = (2 * torch.randn(at, heads, d, generator=g)).to(dtype)
-    rows = [TreeRows(i, s, prefix, m)
-            for i, (s, prefix, m) in enumerate(zip(starts, (0, 130, 300), masks))]
-    alone = [tree_attention_rows(query, cpu_layout(kv, isa), tables[r.req_index], r, d ** -0.5)
+    rows = [TreeRows(i, s, spec[0], m) for i, (s, spec, m) in enumerate(zip(starts, specs,
+                                                                           masks))]
+    scale = d ** -0.5
+    alone = [tree_attention_rows(query, cpu_layout(kv, isa), tables[r.req_index], r, scale)
              for r in rows]
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the CPU reader
-    impl.scale = d ** -0.5
+    impl.scale = scale
     mask = TreeMask()
     mask.attach(impl)
     output = torch.full((at, heads * d), 7.0, dtype=dtype)
@@ -328,7 +375,109 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(isa, dtype):
     out = output.view(at, heads, d)
     for r, ref in zip(rows, alone):
         assert torch.equal(out[r.q_start: r.q_start + ref.shape[0]], ref)
+        for i, seen in enumerate(r.tree_mask.tolist()):
+            visible = list(range(r.prefix_len)) + [r.prefix_len + j for j, s in enumerate(seen)
+                                                   if s]
+            expected = own_path_decode(ops, query[r.q_start + i], keys[r.req_index],
+                                       values[r.req_index], visible, scale, isa, block)
+            assert torch.equal(out[r.q_start + i], expected), f"request {r.req_index} row {i}"
     assert (out[masks[0].shape[0]] == 7.0).all()  # the plain row is the backend's
+
+
+def scratch_contexts(plan, cache_block):
+    """Each kernel row's context as the cache slots its scratch positions are copied from
+    (`_cpu_kernel_rows`: `whole` split block-wise from scratch block 0 on, then `src` ->
+    `dst`), and every scratch slot written token-wise."""
+    per = cache_block // SCRATCH_BLOCK
+    source = {k * per * SCRATCH_BLOCK + t: block * cache_block + t
+              for k, block in enumerate(plan.whole.tolist()) for t in range(cache_block)}
+    for s, d in zip(plan.src.tolist(), plan.dst.tolist()):
+        assert d not in source, f"scratch slot {d} written twice"
+        source[d] = s
+    rows = [[row[p // SCRATCH_BLOCK] * SCRATCH_BLOCK + p % SCRATCH_BLOCK for p in range(n)]
+            for row, n in zip(plan.block_table.tolist(), plan.seq_lens.tolist())]
+    return [[source[slot] for slot in row] for row in rows], rows
+
+
+@pytest.mark.parametrize("isa, block", [("vec", BS), ("vec", 32), ("vec", 64),
+                                        ("vec", 256), ("vec16", 16), ("vec16", 48)])
+def test_each_rows_scratch_context_is_its_prefix_then_its_path(isa, block):
+    """The layout itself, for many requests of every kind in one forward: each kernel row
+    reads, position by position, the cache slots of the prefix [0, L) then of the tree slots
+    its mask shows, in order; positions past the whole prefix blocks are in that row's own
+    tail blocks (zeroed every layer: past its length they stay zeros), and nothing else is
+    written there."""
+    _ops()
+    g = torch.Generator().manual_seed(block)
+    specs = [spec for batch in BATCHES.values() for spec in batch]
+    specs += [(L, "tree", 3, 2) for L in (1, 33, 255, 257, 383, 384, 1000)]
+    per = -(-1100 // block)
+    kv = torch.zeros(len(specs) * per, 1, block, 2 * 32, dtype=torch.bfloat16)
+    tables = torch.randperm(kv.shape[0], generator=g).view(len(specs), per).to(torch.int32)
+    # some prefix lengths as 0-d tensors, as a draft pass may give its roots
+    requests = [TreeRows(i, 3 * i, torch.tensor(spec[0]) if i % 4 == 3 else spec[0],
+                         request_mask(g, *spec[1:])) for i, spec in enumerate(specs)]
+    plan = cpu_scratch(cpu_layout(kv, isa), tables, requests, 2, torch.bfloat16)
+    contexts, slots = scratch_contexts(plan, block)
+    row = 0
+    for r in requests:
+        L = int(r.prefix_len)
+        for i, seen in enumerate(r.tree_mask.tolist()):
+            logical = torch.tensor(list(range(L)) + [L + j for j, s in enumerate(seen) if s])
+            assert contexts[row] == logical_to_slots(tables[r.req_index], logical,
+                                                     block).tolist(), f"row {row}"
+            assert plan.query_rows[row] == r.q_start + i
+            row += 1
+    assert row == plan.block_table.shape[0]
+    full_blocks = [int(r.prefix_len) // SCRATCH_BLOCK for r in requests
+                   for _ in range(r.tree_mask.shape[0])]
+    tails, read_slots = {}, set()
+    for row, (read, full) in enumerate(zip(slots, full_blocks)):
+        read_slots.update(read)
+        for p, slot in enumerate(read):
+            block_id = slot // SCRATCH_BLOCK
+            if p < full * SCRATCH_BLOCK:
+                assert block_id < plan.num_prefix
+            else:
+                assert plan.num_prefix <= block_id < plan.num_blocks
+                assert tails.setdefault(block_id, row) == row, "a tail block shared"
+    assert set(plan.dst.tolist()) <= read_slots  # no write past a row's length
+
+
+def test_the_layout_runs_as_many_torch_operations_for_8_requests_as_for_2():
+    """`cpu_scratch` lays out every request of a forward at once: the torch operations it
+    dispatches do not grow with the number of requests (a loop over them ran ~20 each, every
+    forward), for a verify's trees (every request its own prefix, rows and slots) and a draft
+    level's (one shape)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _ops()
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    kv = torch.zeros(72, 2, BS, 2 * 64, dtype=torch.bfloat16)
+    layout = cpu_layout(kv, "vec")
+    prefixes = (0, 45, 130, 300, 64, 17, 256, 900)
+    trees = [request_mask(g, "tree", 2 + i % 3, 1 + i % 4) for i in range(8)]
+    level = [request_mask(g, "level", 3, 3) for _ in range(8)]
+    counts = {}
+    for kind, masks in (("verify", trees), ("draft level", level)):
+        for n in (2, 8):
+            requests = [TreeRows(i, 20 * i, prefixes[i], masks[i]) for i in range(n)]
+            tables = torch.randperm(72, generator=g)[: 9 * n].view(n, 9).to(torch.int32)
+            with Count() as c:
+                cpu_scratch(layout, tables, requests, 4, torch.bfloat16)
+            counts[kind, n] = len(c.ops)
+    assert counts["verify", 2] == counts["verify", 8], counts
+    assert counts["draft level", 2] == counts["draft level", 8], counts
 
 
 @pytest.mark.parametrize("isa", ISAS)
