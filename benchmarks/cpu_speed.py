@@ -50,6 +50,9 @@ METHODS = {
                                        "draft_lm_head": "quantized"},
     "subspec chain:8 head:target": {"method": "subspec", "num_speculative_tokens": 8,
                                     "draft_lm_head": "target"},
+    # the auto shape with one head forced (its default, "auto", lets its tuner pick)
+    "subspec auto head:quantized": {"method": "subspec", "draft_lm_head": "quantized"},
+    "subspec auto head:target": {"method": "subspec", "draft_lm_head": "target"},
 }
 DEFAULT_METHODS = [m for m in METHODS if "head:" not in m]
 
@@ -90,14 +93,15 @@ def mixed_prompts(n: int) -> list[str]:
 
 
 def drafter_counters(worker):
-    """The SubSpec step session's statistics (`StepStats`) and its tuner's current shape (a
-    collective_rpc target)."""
+    """The SubSpec step session's statistics (`StepStats`) and its tuner's current shape and
+    lm_head (a collective_rpc target)."""
     import dataclasses
 
     session = worker.model_runner.drafter.session
     tuner = session.tuner
     return {**dataclasses.asdict(session.stats),
-            "shape": None if tuner is None else [tuner.width, tuner.depth]}
+            "shape": None if tuner is None else [tuner.width, tuner.depth],
+            "head": None if tuner is None else tuner.head}
 
 
 def run_method(model: str, spec: dict | None, prompts: list[str], max_tokens: int,
@@ -113,7 +117,7 @@ def run_method(model: str, spec: dict | None, prompts: list[str], max_tokens: in
     start_s = time.perf_counter() - t0
     is_subspec = bool(spec) and spec["method"] == "subspec"
     counters = (lambda: llm.collective_rpc(drafter_counters)[0]) if is_subspec else \
-        (lambda: {"draft_passes": 0, "draft_seconds": 0.0, "shape": None})
+        (lambda: {"draft_passes": 0, "draft_seconds": 0.0, "shape": None, "head": None})
     try:
         timed_generate(llm, prompts[:1], params, spec=bool(spec))  # warm-up
         before = counters()
@@ -144,6 +148,8 @@ def run_method(model: str, spec: dict | None, prompts: list[str], max_tokens: in
                        "tau": c_stats.tau if spec else 1.0,
                        "token_ids": [t for r in concurrent for t in r.token_ids]},
         "final_shape": final["shape"],
+        # the lm_head its tuner drafted with after the one-at-a-time phase, and at the end
+        "heads": [after["head"], final["head"]],
     }
 
 
@@ -260,6 +266,10 @@ def markdown(report: dict) -> str:
                      f"phase): {report['auto_shapes']} (width, max depth; depth 0: no draft, "
                      "plain decoding predicted faster). Its τ counts only the steps that "
                      "drafted.")
+    if report.get("auto_heads"):
+        lines.append("- lm_head the auto tuner drafted with (`draft_lm_head: \"auto\"`), after "
+                     "the one-at-a-time phase and at the end: "
+                     f"{', '.join(map(str, report['auto_heads']))}.")
     return "\n".join(lines) + "\n"
 
 
@@ -326,6 +336,7 @@ def main():
                     r[f"identical_{mode}"] = f"{same}/{len(prompts)}"
             if name == "subspec auto":
                 report["auto_shapes"] = r["final_shape"]
+                report["auto_heads"] = r["heads"]
             out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report) + f"\n![speed]({out.name}.png)\n")
     plot(report, out.with_suffix(".png"))

@@ -35,7 +35,7 @@ _BITS = (2, 3, 4, 8)
 _GROUP_SIZES = (32, 64, 128, 256)
 _KERNELS = ("auto", "int4_cpu", "gemlite", "reference")
 _QUANTIZERS = ("hqq", "rtn")
-_DRAFT_LM_HEADS = ("quantized", "target")
+_DRAFT_LM_HEADS = ("auto", "quantized", "target")
 MAX_DEPTH = 64
 MAX_WIDTH = 16
 MAX_TREE_NODES = 512
@@ -85,9 +85,11 @@ class SubSpecOptions:
     """hqq (HQQ solver, the paper's choice) or rtn (round-to-nearest; fast, for tests)."""
     substitute_cache: bool | str = True
     """Built substitutes are cached on disk: true = default folder, a folder path, or false."""
-    draft_lm_head: str = "quantized"
+    draft_lm_head: str = "auto"
     """The draft's output projection: "quantized" (its own bits/group_size copy of the target's
-    lm_head: the largest matrix a draft pass reads) or "target" (the target's own)."""
+    lm_head: the largest matrix a draft pass reads), "target" (the target's own), or "auto"
+    (`draft_heads`: an auto shape's tuner picks per engine between the two from paired
+    measurements; a fixed shape drafts with the target's)."""
     cpu_draft_memory: float = 0.4
     """On vLLM's CPU backend, the most RAM the draft may add (substitutes, its lm_head, dense
     twins) as a fraction of the target's weight bytes: dense twins only where they fit
@@ -102,6 +104,17 @@ class SubSpecOptions:
     @property
     def is_auto(self) -> bool:
         return self.auto_width or self.auto_depth
+
+    @property
+    def draft_heads(self) -> tuple[str, ...]:
+        """The lm_heads the draft holds, the one it starts drafting with first. "auto": both
+        where a tuner can choose (an auto shape: `shape_tuner.HeadComparison`), the target's
+        first (no τ given away before the measurements say it buys something); else the
+        target's, which never loses τ and was never measured slower end to end
+        (docs/results.md, the draft's lm_head)."""
+        if self.draft_lm_head != AUTO:
+            return (self.draft_lm_head,)
+        return ("target", "quantized") if self.is_auto and self.is_tree else ("target",)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -232,7 +245,7 @@ def _problems(raw: dict[str, Any]) -> list[str]:
     c = get("substitute_cache")
     if not (c is None or isinstance(c, bool) or (isinstance(c, str) and c.strip())):
         p.append(f"substitute_cache must be true, false or a folder path, got {c!r}")
-    if get("draft_lm_head", "quantized") not in _DRAFT_LM_HEADS:
+    if get("draft_lm_head", AUTO) not in _DRAFT_LM_HEADS:
         p.append(f"draft_lm_head must be one of {list(_DRAFT_LM_HEADS)}, "
                  f"got {get('draft_lm_head')!r}")
     m = get("cpu_draft_memory", 0.4)

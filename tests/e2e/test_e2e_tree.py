@@ -159,9 +159,9 @@ def _walk_gpu_start(worker) -> dict:
         calls.append((phase[0], is_graph_capturing))
         return dummy_run(num_tokens, use_cudagraphs, is_graph_capturing, slot_mappings)
 
-    def recorded_logits(hidden):
+    def recorded_logits(hidden, head=None):
         logits_rows.append(hidden.shape[0])
-        return compute_logits(hidden)
+        return compute_logits(hidden, head)
 
     sampler_rows = []
 

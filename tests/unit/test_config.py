@@ -47,7 +47,23 @@ def test_chain_shorthand():
     assert again.substitute_layers == (3, 1)
 
 
+@pytest.mark.parametrize("raw, heads", [
+    ({}, ("target", "quantized")),                      # an auto shape: its tuner picks
+    ({"tree_width": 4}, ("target", "quantized")),       # a fixed width, an adaptive depth
+    ({"tree_width": 6, "tree_depth": 16}, ("target",)),  # fixed: nothing measures the heads
+    ({"num_speculative_tokens": 4}, ("target",)),       # a chain: vLLM verifies it
+    ({"draft_lm_head": "quantized"}, ("quantized",)),   # a user's choice is kept
+    ({"draft_lm_head": "target"}, ("target",)),
+    ({"num_speculative_tokens": 4, "draft_lm_head": "quantized"}, ("quantized",)),
+])
+def test_the_draft_holds_the_heads_a_tuner_can_choose_between(raw, heads):
+    opts = SubSpecOptions.from_dict(raw)
+    assert opts.draft_heads == heads
+    assert SubSpecOptions.from_dict(json.loads(json.dumps(opts.to_dict()))) == opts
+
+
 @pytest.mark.parametrize("raw, fragment", [
+    ({"draft_lm_head": "int8"}, "draft_lm_head must be one of ['auto', 'quantized', 'target']"),
     ({"bitz": 4}, "unknown speculative_config key(s) ['bitz']"),
     ({"bits": 5}, "bits must be one of"),
     ({"group_size": 48}, "group_size must be one of"),

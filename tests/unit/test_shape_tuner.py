@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from vllm_subspec.step.shape_tuner import (
+    COMPARE_EVERY,
+    COMPARE_UNTIL,
     EXPLORE_STEPS,
+    HeadComparison,
     LinearCost,
     MassCalibration,
     ShapeTuner,
@@ -88,23 +91,35 @@ class World:
     gets cont[k][i % len]); the draft believes a noisy copy."""
 
     def __init__(self, cont, pass_cost=(0.05, 0.002), verify_cost=(0.10, 0.004), other=0.01,
-                 seed=0):
+                 seed=0, heads=None):
         self.cont, self.pass_cost, self.verify_cost, self.other = cont, pass_cost, verify_cost, other
         self.rng = random.Random(seed)
+        # lm_head -> (acceptance factor, (seconds, seconds per row) its logits add to a pass)
+        self.heads = heads or {None: (1.0, (0.0, 0.0))}
+        self.head = next(iter(self.heads))  # the drafting head of the step in progress
 
-    def t_pass(self, rows):
-        return self.pass_cost[0] + self.pass_cost[1] * rows
+    def t_pass(self, rows, head=None):
+        extra = self.heads[self.head if head is None else head][1]
+        return self.pass_cost[0] + extra[0] + (self.pass_cost[1] + extra[1]) * rows
+
+    def time_heads(self, tuner):
+        """What the proposer measures at load: each head's logits at 1, k and 4k rows."""
+        for head, (_, (a, b)) in self.heads.items():
+            for rows in (1, 6, 24):
+                tuner.observe_head_cost(head, rows, a + b * rows)
 
     def t_verify(self, rows):
         return self.verify_cost[0] + self.verify_cost[1] * rows
 
-    def request_cont(self, k, i):
+    def request_cont(self, k, i, head=None):
         c = self.cont[k]
-        return c[i % len(c)] if isinstance(c, tuple) else c
+        c = c[i % len(c)] if isinstance(c, tuple) else c
+        return c * self.heads[self.head if head is None else head][0]
 
     def step(self, tuner: ShapeTuner, batch_size: int):
         """One engine step driven by the tuner; returns (tokens, seconds, draft passes)."""
         plan = tuner.plan_step(batch_size)
+        self.head = plan.head
         k, depth_max = plan.shape.width, plan.shape.depth
         if depth_max == 0:  # no draft: a plain decoding step, which the engine does not time
             return batch_size, self.t_verify(batch_size) + self.other, 0
@@ -141,16 +156,21 @@ class World:
                 accepted += 1
             tokens += accepted + 1
             tuner.observe_tree(k, log_mass[i, : d + 1].tolist(), accepted, v)
+            for _ in range(accepted + 1 if plan.compare_heads else 0):
+                u = self.rng.random()  # each node of the accepted path: both heads ranked
+                tuner.observe_heads({h: next((w - 1 for w in sorted(self.cont)  # u < rate(w)
+                                              if u < self.request_cont(w, i, h)), None)
+                                     for h in self.heads})
         return tokens, draft_s + verify_s + self.other, d
 
     def plain_rate(self, batch_size):
         return batch_size / (self.t_verify(batch_size) + self.other)
 
-    def fixed_rate(self, k, depth, batch_size):
-        """Expected tokens/s of fixed (k, depth) steps."""
-        tokens = sum(1 + sum(self.request_cont(k, i) ** j for j in range(1, depth + 1))
+    def fixed_rate(self, k, depth, batch_size, head=None):
+        """Expected tokens/s of fixed (k, depth) steps (drafting with `head`)."""
+        tokens = sum(1 + sum(self.request_cont(k, i, head) ** j for j in range(1, depth + 1))
                      for i in range(batch_size))
-        seconds = (self.t_pass(batch_size) + (depth - 1) * self.t_pass(batch_size * k)
+        seconds = (self.t_pass(batch_size, head) + (depth - 1) * self.t_pass(batch_size * k, head)
                    + self.t_verify(batch_size * (1 + k * depth)) + self.other)
         return tokens / seconds
 
@@ -350,3 +370,82 @@ def test_verify_cost_is_per_width_and_plain_is_timed_as_a_chain():
     assert tuner.verify[1].per_row() == pytest.approx(0.001)
     assert tuner.verify[6].per_row() == pytest.approx(0.01)
     assert tuner.plain_rate(1) == pytest.approx(1 / 0.101, rel=1e-3)  # other: not yet measured
+
+
+# The draft's two lm_heads (`draft_lm_head: "auto"`). A head's factor scales every depth's
+# acceptance; its cost is added to every draft pass (the target's: bf16, the quantized: 4-bit).
+SMOLLM2_LIKE = {"target": (1.0, (0.002, 0.0008)), "quantized": (0.88, (0.0005, 0.0002))}
+QWEN_LIKE = {"target": (1.0, (0.012, 0.004)), "quantized": (0.99, (0.003, 0.001))}
+
+
+@pytest.mark.parametrize("heads, best_head", [(SMOLLM2_LIKE, "target"), (QWEN_LIKE, "quantized")])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_the_tuner_drafts_with_the_head_that_is_faster_end_to_end(heads, best_head, batch_size):
+    """A head that loses τ is kept only where its cheaper passes pay for it: the tuner ends on
+    the head of the best fixed configuration, and within 10% of that configuration's rate."""
+    world = World({1: 0.80, 2: 0.86, 4: 0.90, 6: 0.92}, seed=3, heads=heads)
+    tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True,
+                       heads=("target", "quantized"))
+    world.time_heads(tuner)
+    switches = []
+    switch = tuner._switch_head
+    tuner._switch_head = lambda head: switches.append(head) or switch(head)
+    run(world, tuner, 300, batch_size)
+    rate, _, _ = run(world, tuner, 400, batch_size)
+    assert len(switches) <= 1, switches  # decided once, not flapping on noise
+    best = {h: max(world.fixed_rate(k, d, batch_size, h) for k in (1, 2, 4, 6)
+                   for d in range(1, 33)) for h in heads}
+    assert max(best, key=best.get) == best_head  # the worlds are what their names say
+    assert tuner.head == best_head, (tuner.head, best, tuner.heads_compared.hits)
+    assert rate >= 0.9 * best[best_head], (rate, best, tuner.describe())
+
+
+def test_the_head_comparison_is_paired_and_scales_the_acceptance_per_width():
+    compared = HeadComparison(("target", "quantized"), widths=(1, 2), decay=1.0)
+    # ranks of the target's draw: the quantized head often has it second, not first
+    for rank_t, rank_q in [(0, 0)] * 6 + [(0, 1)] * 2 + [(1, None)] + [(None, None)]:
+        compared.add({"target": rank_t, "quantized": rank_q})
+    assert compared.n == 10
+    assert compared.rate("target", 1) == pytest.approx(9 / 12)  # prior: one hit in two roots
+    assert compared.rate("quantized", 1) == pytest.approx(7 / 12)
+    assert compared.rate("target", 2) == pytest.approx(10 / 12)
+    assert compared.rate("quantized", 2) == pytest.approx(9 / 12)
+    assert compared.scale("quantized", "target", 1) == pytest.approx(7 / 9)
+    assert compared.scale("quantized", "target", 2) == pytest.approx(9 / 10)
+    # only one head right: twice at width 1 (ranks 0 vs 1), once at width 2 (1 vs None)
+    assert compared.discordant == {1: 2.0, 2: 1.0}
+    assert compared.scale("quantized", "target", 1, doubt=1.0) == pytest.approx(
+        (7 / 12 - 3 ** 0.5 / 12) / (9 / 12))
+    acceptance = WidthAcceptance(3, decay=1.0)
+    for accepted in (3, 2, 3, 1):
+        acceptance.add(accepted, 3)
+    reach = acceptance.reach()
+    assert torch.allclose(acceptance.reach(7 / 9), torch.cumprod(
+        (torch.cat([reach[:1], reach[1:] / reach[:-1]]) * 7 / 9), 0))
+    assert float(acceptance.reach(10.0)[-1]) == 1.0  # a rate never passes 1
+    hits = acceptance.hits.clone()
+    acceptance.rescale(7 / 9)
+    assert torch.allclose(acceptance.hits, hits * 7 / 9)
+    acceptance.rescale(100.0)
+    assert torch.equal(acceptance.hits, acceptance.trials)  # never more hits than trials
+
+
+def test_heads_are_compared_at_every_drafting_step_then_one_in_compare_every():
+    tuner = ShapeTuner((6,), 8, auto_width=False, auto_depth=False,
+                       heads=("target", "quantized"))
+    compared = []
+    for _ in range(3 * COMPARE_UNTIL + 4 * COMPARE_EVERY):
+        plan = tuner.plan_step(1)
+        assert plan.head == "target"  # nothing measured: the first head drafts
+        compared.append(plan.compare_heads)
+        if plan.compare_heads:
+            tuner.observe_heads({"target": 0, "quantized": 0})
+    first = compared.index(False)
+    assert first >= COMPARE_UNTIL and all(compared[:first])
+    later = compared[first:]
+    assert 0 < sum(later) <= len(later) // COMPARE_EVERY + 1
+    one = ShapeTuner((6,), 8, auto_width=False, auto_depth=False, heads=("target",))
+    plan = one.plan_step(1)
+    assert plan.head == "target" and not plan.compare_heads
+    none = ShapeTuner((6,), 8, auto_width=False, auto_depth=False)
+    assert none.plan_step(1).head is None

@@ -15,9 +15,11 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_subspec.config import SubSpecOptions
+from vllm_subspec.step.draft import draft_tree
 from vllm_subspec.step.paged_kv import CpuVecLayout, logical_to_slots
-from vllm_subspec.step.session import StepSession, VerifyRequest
-from vllm_subspec.step.shape_tuner import LinearCost, ShapeTuner, StepCosts
+from vllm_subspec.step.session import StepSession, VerifyRequest, path_ranks
+from vllm_subspec.step.shape_tuner import HeadComparison, LinearCost, ShapeTuner, StepCosts
+from vllm_subspec.step.tree import TreeShape
 
 V = 12
 BS, KV_HEADS, D = 16, 2, 32
@@ -39,6 +41,8 @@ class StubPasses:
     """`step.draft.DraftPasses` over the bigram draft; records what each pass was given."""
 
     on_device = False
+    head = "target"  # the drafting lm_head: DRAFT (the session sets each step's)
+    head_tops = 0  # > 0: every pass ranks its rows by both heads (DRAFT, OTHER_HEAD)
 
     def __init__(self, roots: list[int], mask, max_model_len: int = 1000, max_rows: int = 1000):
         self.roots = torch.tensor(roots)
@@ -50,23 +54,36 @@ class StubPasses:
 
     def bonus_pass(self, next_token_ids):
         self.calls.append(("bonus", next_token_ids.tolist(), None))
-        return DRAFT[next_token_ids], self.roots
+        return self._logits(next_token_ids), self.roots
+
+    def _logits(self, tokens):
+        """The drafting head's logits; with head_tops, both heads' top tokens of the rows."""
+        self.tops = {} if not self.head_tops else {
+            h: table[tokens].topk(self.head_tops, dim=-1).indices
+            for h, table in ((self.head, DRAFT), ("quantized", OTHER_HEAD))}
+        return DRAFT[tokens]
+
+    def last_tops(self):
+        return self.tops
 
     def root_bounds(self, roots):
         return roots.tolist()
 
     def chain_pass(self, index, input_ids):
         self.calls.append(("chain", input_ids.tolist(), None))
-        return DRAFT[input_ids]
+        return self._logits(input_ids)
 
     def level_pass(self, depth, width, tokens, active):
         plan = self.mask.plan
         self.calls.append(("level", tokens.tolist(), active,
                            None if plan is None else [r.prefix_len for r in plan.rows]))
-        return DRAFT[tokens]
+        return self._logits(tokens)
 
     def synchronize(self):
         pass
+
+
+OTHER_HEAD = next_token_table(3)  # the draft's other lm_head: another bigram table
 
 
 def target_greedy(token: int, n: int) -> list[int]:
@@ -361,3 +378,70 @@ def test_step_seconds_leave_idle_gaps_out():
     propose()
     assert session.stats.step_seconds == pytest.approx(0.01 + 0.52 + 0.01)
     assert session.stats.draft_seconds == pytest.approx(0.03)
+
+
+def test_a_compared_step_scores_both_lm_heads_on_every_draw_of_the_accepted_paths():
+    """`draft_lm_head: "auto"`: the step drafts with the tuner's head; on a compared step every
+    pass ranks its rows by both heads, and at the verify each node of an accepted path a pass
+    ran from is one paired observation: the rank of the target's draw after it among each
+    head's top tokens (accepted at width w iff rank < w)."""
+    options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
+    assert options.draft_heads == ("target", "quantized")
+    tuner = ShapeTuner((1, 2), 3, auto_width=False, auto_depth=False,  # always drafts, 2 x 3
+                       heads=options.draft_heads)
+    tuner.heads_compared = HeadComparison(options.draft_heads, (1, 2), decay=1.0)  # counts
+    session = StepSession(options, tuner)
+    n, hits = 0, {h: {1: 0, 2: 0} for h in options.draft_heads}
+    for pair in range(0, V, 2):  # every token as a root, two requests a step
+        bonus = [pair, pair + 1]
+        step = run_step(session, [5, 20], bonus, options.num_draft_tokens)
+        assert step.passes.head == "target" and step.passes.head_tops == 2
+        n = _ranked_by_both_tables(step.walk, bonus, n, hits)
+    compared = tuner.heads_compared
+    assert compared.n == n > V  # deeper nodes too, not only the roots
+    assert compared.hits == hits
+    assert hits["target"] != hits["quantized"]  # the two heads were told apart
+
+
+def _ranked_by_both_tables(walk, bonus, n, hits):
+    """The oracle: along each request's emitted tokens, both tables' top 2 at each node's
+    token, for the nodes a pass ran from (depth < 3)."""
+    for i, b in enumerate(bonus):
+        out = emitted(walk, i)
+        assert out == target_greedy(b, len(out))
+        nodes = [b] + out[:-1]  # the root's token, then the accepted drafts'
+        for x, drawn in list(zip(nodes, out))[:3]:  # no pass ran from the depth-3 nodes
+            n += 1
+            for h, table in (("target", DRAFT), ("quantized", OTHER_HEAD)):
+                top = table[x].topk(2).indices.tolist()
+                for w in (1, 2):
+                    hits[h][w] += drawn in top[:w]
+    return n
+
+
+def test_path_ranks_skip_nodes_no_pass_ran_from():
+    tops = {"a": [[4, 5], [6, 7], []], "b": [[5, 4], [1, 2], []]}  # node 2: the deepest level
+    assert path_ranks(tops, [0, 1, 2], [5, 9, 3]) == [{"a": 1, "b": 0}, {"a": None, "b": None}]
+
+
+def test_node_tops_are_kept_per_node_also_for_requests_that_dropped_out():
+    """draft_tree's node_tops: row r of a level pass is node level(d)[r % k] of the r // k-th
+    request drafting; a request that stopped keeps -1 (no pass ran from its nodes)."""
+    session = StepSession(SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 3}))
+    passes = StubPasses([5, 20, 40], session.mask)
+    passes.head_tops = 3
+    shape = TreeShape(2, 3)
+    draft = draft_tree(passes, torch.tensor([1, 4, 7]), shape, session.mask, 0.2,
+                       lambda log_mass, reached: [0, 2], node_tops=3)  # request 1 stops
+    assert draft.reached == [3, 1, 3]
+    tokens = draft.tree.tokens
+    for h, table in (("target", DRAFT), ("quantized", OTHER_HEAD)):
+        tops = draft.node_tops[h]  # [B, nodes, 3]
+        assert tops.shape == (3, 7, 3)
+        for i in range(3):
+            for node in range(7):
+                depth = 0 if node == 0 else (node - 1) // 2 + 1
+                ran = depth < draft.reached[i]  # a pass ran from this node
+                expected = table[tokens[i, node]].topk(3).indices if ran \
+                    else torch.full((3,), -1)
+                assert torch.equal(tops[i, node], expected), (h, i, node)

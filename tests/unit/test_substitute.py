@@ -262,10 +262,16 @@ def test_the_drafts_quantized_lm_head_finishes_logits_as_vllm_does(soft_cap):
     model.compute_logits = lambda h: model.logits_processor(_Head(model.lm_head), h)
     hidden = torch.randn(16, 128, dtype=torch.bfloat16)
     target_logits = model.compute_logits(hidden)
+    both = DraftModel(model, build_substitutes(model, [0], SubSpecOptions.from_dict(
+        {"quantizer": "hqq", "draft_lm_head": "auto"}), CPU), CPU)  # an auto shape: both
     for head, close in (("quantized", False), ("target", True)):
         opts = SubSpecOptions.from_dict({"quantizer": "hqq", "draft_lm_head": head})
         draft = DraftModel(model, build_substitutes(model, [0], opts, CPU), CPU)
         logits = draft.compute_logits(hidden)
+        assert torch.equal(both.compute_logits(hidden, head), logits)  # either, on request
+        if head == "target":
+            with pytest.raises(ValueError, match="no quantized lm_head"):
+                draft.compute_logits(hidden, "quantized")
         assert logits.shape == (16, 250) == target_logits.shape
         if close:
             assert torch.equal(logits, target_logits)

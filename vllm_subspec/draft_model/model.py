@@ -261,7 +261,7 @@ def _jobs(model: nn.Module, layer_indices: list[int], options: SubSpecOptions):
     layers = decoder_layers(model)
     jobs = [((i, name), i, name, getattr(_linear_owner(layers[i], name), name))
             for i in layer_indices for name in SUBSTITUTE_LINEARS]
-    if options.draft_lm_head == "quantized" and layer_indices:
+    if "quantized" in options.draft_heads and layer_indices:
         jobs.append((LM_HEAD, LM_HEAD_INDEX, "lm_head", model.lm_head))
     return jobs
 
@@ -381,11 +381,15 @@ class DraftModel(nn.Module):
         hidden, _ = lm.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The draft's logits: through its quantized lm_head when it has one, finished as
-        vLLM's LogitsProcessor.forward finishes the target's (logits_processor.py 0.32.0:
-        vocabulary padding cut, soft cap, scale); else the target's own."""
-        if self.lm_head is None:
+    def compute_logits(self, hidden_states: torch.Tensor, head: str | None = None
+                       ) -> torch.Tensor:
+        """The draft's logits through `head`: "quantized", its own lm_head, finished as vLLM's
+        LogitsProcessor.forward finishes the target's (logits_processor.py 0.32.0: vocabulary
+        padding cut, soft cap, scale), or "target", the target's own; None: its own when it
+        has one."""
+        if head == "quantized" and self.lm_head is None:
+            raise ValueError("vllm-subspec: the draft holds no quantized lm_head")
+        if self.lm_head is None or head == "target":
             return self.target.compute_logits(hidden_states)
         lp = self.target.logits_processor
         logits = self.lm_head(hidden_states)[0][..., : lp.org_vocab_size]

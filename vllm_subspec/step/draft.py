@@ -31,9 +31,15 @@ class DraftPasses(Protocol):
     max_model_len: int
     max_rows: int  # the most tokens one forward takes (vLLM's buffers: max_num_batched_tokens)
     on_device: bool  # CUDA: a host read is a sync, timings need `synchronize`
+    head: str | None  # the lm_head the passes draft with (None: the draft's only one)
+    head_tops: int  # > 0: each pass also ranks its rows' top tokens by every head (`last_tops`)
 
     def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's bonus token at p + 1 -> (logits [B, V], the roots' positions L [B])."""
+
+    def last_tops(self) -> dict[str, torch.Tensor]:
+        """With head_tops = n: lm_head -> [rows, n] the top n tokens, best first, of each row
+        of the last pass through each of the draft's heads (`shape_tuner.HeadComparison`)."""
 
     def root_bounds(self, roots: torch.Tensor) -> list[int]:
         """Upper bounds of the roots' positions on the host, known without reading `roots` on a
@@ -105,6 +111,9 @@ class TreeDraft:
     pass_rows: list[int]  # rows of each level after the root's
     root_seconds: float | None  # the root pass's time (None on a device: not synced)
     level_forwards: int  # forwards over those levels (more than levels where one was split)
+    # with `node_tops` = n: lm_head -> [B, nodes, n] each head's top n tokens after each node
+    # a pass ran from (-1: none ran from it, the deepest level)
+    node_tops: dict[str, torch.Tensor] | None = None
 
     @property
     def passes(self) -> int:
@@ -126,13 +135,16 @@ DraftingNext = Callable[[torch.Tensor, list[int]], list[int]]
 
 def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeShape,
                mask: TreeMask, temperature: float, drafting_next: DraftingNext | None = None,
-               clock: Callable[[], float] = time.perf_counter) -> TreeDraft:
+               clock: Callable[[], float] = time.perf_counter, node_tops: int = 0) -> TreeDraft:
     """Grow this step's trees to `shape.depth` at most.
 
     drafting_next: asked which requests draft on, every depth on CPU; on a device every 4
     depths, with the masses of an earlier check that have landed on the host
     (`FrontierReads`: no sync); those left out stop (their later nodes stay dead), and
     drafting ends when none is left. None: all go on.
+    node_tops: > 0: keep every head's top `node_tops` tokens after each node a pass ran from
+    (`TreeDraft.node_tops`; the tuner compares the draft's lm_heads on them, paired:
+    `shape_tuner.HeadComparison`); the passes must rank as many (`DraftPasses.head_tops`).
     A request whose next level would pass max_model_len stops there too (by the bound of its
     root's position on a device, so perhaps a level early); the others go on (`reached` says
     how deep each got). On a device nothing inside the passes reads the device but
@@ -148,6 +160,12 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
     roots = list(root_pos.unbind()) if passes.on_device else bounds
     tree = TreeBatch(shape, next_token_ids.to(torch.int64))
     tree.grow(sharpened_log_probs(logits, temperature))
+    tops = None
+    if node_tops:  # [B, nodes, n] per head; the root's row now, each level's after its pass
+        tops = {h: torch.full((*tree.tokens.shape, node_tops), -1, dtype=torch.int64,
+                              device=t.device) for h, t in passes.last_tops().items()}
+        for h, t in passes.last_tops().items():
+            tops[h][:, 0] = t
     root_seconds = None if passes.on_device else clock() - start
     active = list(range(b))  # the requests still drafting (host)
     rows = None  # their indices on the device; None while all are
@@ -173,13 +191,13 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
         if len(fits) < len(active):
             active = fits
             rows = device_index(active, root_pos.device)
-        logits, forwards = _level_logits(passes, tree, mask, d, roots, active, rows)
+        logits, forwards = _level_logits(passes, tree, mask, d, roots, active, rows, tops)
         tree.grow(sharpened_log_probs(logits, temperature).view(len(active), k, -1), rows)
         pass_rows.append(len(active) * k)
         level_forwards += forwards
         for i in active:
             reached[i] = d + 1
-    return TreeDraft(tree, reached, pass_rows, root_seconds, level_forwards)
+    return TreeDraft(tree, reached, pass_rows, root_seconds, level_forwards, tops)
 
 
 def device_index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -192,11 +210,12 @@ def device_index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
-                  roots: list, active: list[int], rows: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, int]:
+                  roots: list, active: list[int], rows: torch.Tensor | None,
+                  tops: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """The draft's logits at the k depth-d nodes of the `active` requests ([R * k, V]), and
     the forwards that took: one, or one per group of requests when R * k rows would not fit
-    one forward (max_num_seqs x k can exceed vLLM's max_num_batched_tokens)."""
+    one forward (max_num_seqs x k can exceed vLLM's max_num_batched_tokens). tops: each
+    head's top tokens after each node (`draft_tree`'s node_tops), filled in at the level."""
     k, level = tree.shape.width, tree.shape.level(d)
     per_pass = max(1, passes.max_rows // k)
     groups = [active] if len(active) <= per_pass else \
@@ -213,4 +232,10 @@ def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
         with mask.active(plan):
             logits.append(passes.level_pass(d, k, tree.frontier_tokens(group_rows).reshape(-1),
                                             subset))
+        for h, t in (passes.last_tops().items() if tops is not None else ()):
+            t = t.view(len(group), k, -1)  # [R, k, n]: rows are the requests' level nodes
+            if group_rows is None:
+                tops[h][:, level] = t
+            else:
+                tops[h][group_rows, level] = t
     return (logits[0] if len(logits) == 1 else torch.cat(logits)), len(groups)

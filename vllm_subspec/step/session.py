@@ -106,7 +106,8 @@ class StepSession:
     def from_options(cls, options: SubSpecOptions) -> StepSession:
         """An auto shape gets a tuner measuring this engine's costs."""
         tuner = ShapeTuner(options.widths, options.tree_depth, options.auto_width,
-                           options.auto_depth) if options.is_auto and options.is_tree else None
+                           options.auto_depth, heads=options.draft_heads) \
+            if options.is_auto and options.is_tree else None
         return cls(options, tuner)
 
     # ---- 1. propose ----------------------------------------------------------------------
@@ -147,12 +148,16 @@ class StepSession:
             return [[] for _ in req_ids], 0
         tuner, k = self.tuner, plan.shape.width
         self.stats.tree_width = k
+        if plan.head is not None:
+            passes.head = plan.head
+        ranked = max(tuner.widths) if plan.compare_heads else 0  # tokens each head ranks
+        passes.head_tops = ranked
         adaptive = tuner is not None and plan.adaptive and not plan.full_depth
         start = self.clock()
         draft = draft_tree(passes, next_token_ids, plan.shape, self.mask,
                            self.options.draft_temperature,
                            (lambda log_mass, reached: tuner.drafting_next(log_mass, k, reached))
-                           if adaptive else None, clock=self.clock)
+                           if adaptive else None, clock=self.clock, node_tops=ranked)
         if tuner is None:  # a fixed shape: k * D tokens each, unless cut short
             self.stats.tree_depth = max(draft.reached)
             pending = self._keep_pending(req_ids, draft, chain_only)
@@ -161,23 +166,33 @@ class StepSession:
             return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, draft.reached)], \
                 draft.passes
         log_mass = draft.tree.log_mass[:, : draft.tree.grown + 1].cpu()  # one host read
-        pending = self._keep_pending(req_ids, draft, chain_only, log_mass)
         passes.synchronize()
         tuner.observe_draft(k, len(req_ids), draft.pass_rows, self.clock() - start,
                             draft.root_seconds)
+        pending = self._keep_pending(req_ids, draft, chain_only, log_mass, plan.head,
+                                     draft.node_tops)
         depths = tuner.verify_depths(log_mass, k, draft.reached)
         self.stats.tree_depth = max(depths)
         return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, depths)], draft.passes
 
     def _keep_pending(self, req_ids: list[str], draft: TreeDraft, chain_only: list[bool],
-                      log_mass: torch.Tensor | None = None) -> list[StoredTree]:
+                      log_mass: torch.Tensor | None = None, head: str | None = None,
+                      node_tops: dict[str, torch.Tensor] | None = None) -> list[StoredTree]:
         """Keep each request's tree (its best path, for `chain_only` ones) until it is
         verified. log_mass: [B, grown + 1] per-depth log frontier mass on the host, for an
-        auto shape's tuner; None for a fixed shape."""
+        auto shape's tuner; None for a fixed shape. head: the lm_head that drafted;
+        node_tops: lm_head -> [B, nodes, m] its top tokens after each node (`draft_tree`),
+        read in the trees' one host read."""
         tree = draft.tree
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        heads = list(node_tops or {})
+        rows = torch.cat([tree.tokens, *(node_tops[h].flatten(1) for h in heads)], 1).tolist() \
+            if heads else tree.tokens.tolist()
+        n, parents = tree.tokens.shape[1], tree.parents.tolist()
         masses = log_mass.tolist() if log_mass is not None else [[] for _ in req_ids]
-        stored = [StoredTree(tokens[i], parents[i], tree.mask[i], tree.shape.width, masses[i])
+        m = node_tops[heads[0]].shape[2] if heads else 0  # every head ranks as many
+        stored = [StoredTree(rows[i][:n], parents[i], tree.mask[i], tree.shape.width, masses[i],
+                             head, {h: _per_node(rows[i][n + j * n * m: n + (j + 1) * n * m], m)
+                                    for j, h in enumerate(heads)})
                   for i in range(len(req_ids))]
         stored = [t.best_path(draft.reached[i]) if chain_only[i] else t
                   for i, t in enumerate(stored)]
@@ -239,19 +254,22 @@ class StepSession:
         trees = [self.verifying.get(rid) if n else None for rid, n in zip(req_ids, num_draft)]
         walk = sample_then_match(trees, num_draft, logits, sampling_metadata, topk_topp_sampler,
                                  max_rows)
-        drafted = [(v, len(path), n) for v, path, n in zip(trees, walk.paths, num_draft)
-                   if v is not None and v.compact]
+        drafted = [(v, path, n, emitted) for v, path, n, emitted
+                   in zip(trees, walk.paths, num_draft, walk.tokens) if v is not None and v.compact]
         self.stats.verified_trees += len(drafted)
         # the tuner learns from the trees of its shape (a chain-only request's best path is not)
-        drafted = [(v, a, n) for v, a, n in drafted if v.tree.level_log_mass]
+        drafted = [(v, p, n, e) for v, p, n, e in drafted if v.tree.level_log_mass]
         if self.tuner is not None:
-            for v, accepted, n in drafted:
-                self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, accepted,
+            for v, path, n, emitted in drafted:
+                self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, len(path),
                                         n // v.tree.width)
+                if v.tree.node_tops:  # both heads scored on the same draws, paired
+                    for ranks in path_ranks(v.tree.node_tops, [0, *path], emitted.tolist()):
+                        self.tuner.observe_heads(ranks)
         if self._verify_start is not None:
             seconds = self.clock() - self._verify_start
             self.stats.verify_seconds += seconds
-            widths = {v.tree.width for v, _, _ in drafted}
+            widths = {v.tree.width for v, _, _, _ in drafted}
             if self.tuner is not None and len(widths) == 1:  # one step drafts one width
                 self._verify_seconds = seconds
                 self.tuner.observe_verify(widths.pop(), sum(num_draft) + len(num_draft), seconds)
@@ -273,3 +291,23 @@ class StepSession:
             dst = move.root + torch.arange(1, len(move.path) + 1, dtype=torch.int64,
                                            device=row.device)
             move_kv(kv_caches, row, block_size, src, dst)
+
+
+def _per_node(flat: list[int], m: int) -> list[list[int]]:
+    """[nodes * m] -> per node its m tokens ([] where none were ranked: -1s)."""
+    return [top if top[0] >= 0 else [] for top in (flat[j: j + m] for j in range(0, len(flat), m))]
+
+
+def path_ranks(node_tops: dict[str, list[list[int]]], nodes: list[int], emitted: list[int]
+               ) -> list[dict[str, int | None]]:
+    """Along an accepted path (`nodes`: the root, then the accepted nodes), the rank of the
+    target's draw after each node among each head's top tokens there (None: not among them),
+    for every node a pass ran from. The drafts along the path are the target's own tokens, so
+    the draft's hidden states there are the same whichever head drafted: each entry is what
+    either head would have been scored on."""
+    out = []
+    for node, drawn in zip(nodes, emitted):
+        tops = {h: per_node[node] for h, per_node in node_tops.items()}
+        if all(tops.values()):
+            out.append({h: top.index(drawn) if drawn in top else None for h, top in tops.items()})
+    return out

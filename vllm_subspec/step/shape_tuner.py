@@ -26,7 +26,10 @@ what a request outputs.
   later passes; the rest go on while the next depth's expected tokens per extra second beat
   the step's rate so far) and how many depths each request sends to verification
   (`verify_depths`: a depth whose verify rows cost more than they are expected to yield is not
-  verified; on a GPU with offloading verify rows are almost free and nothing is cut).
+  verified; on a GPU with offloading verify rows are almost free and nothing is cut);
+  and, when the draft holds two lm_heads (`draft_lm_head: "auto"`), which one drafts
+  (`HeadComparison`: both heads' depth-1 acceptance measured on the same roots, paired; the
+  heads' costs per row measured at load).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ EXPLORE_STEPS = 4  # verified trees of each candidate width before the first cho
 REEXPLORE_EVERY = 8  # every n-th choice period has one step of the least-recently-run width
 FULL_DEPTH_EVERY = 16  # every n-th step drafts past D_max: observations past the usual stop
 MAX_PROBE_EVERY = 512  # while plain decoding keeps winning, probe steps back off to this
+COMPARE_UNTIL = 64  # paired head observations (decayed) compared at every drafting step ...
+COMPARE_EVERY = 8  # ... then at one drafting step in this many
+HEAD_DECAY = 0.995  # per paired observation (several per step): the last ~200 nodes
+HEAD_SWITCH_GAIN = 1.02  # another head must be predicted this much faster: no flapping on noise
 
 
 class LinearCost:
@@ -146,15 +153,64 @@ class WidthAcceptance:
         self.trials[:reached] += 1
         self.hits[:accepted] += 1
 
-    def reach(self) -> torch.Tensor:
+    def reach(self, scale: float = 1.0) -> torch.Tensor:
         """[max_depth] P(accepted length >= j), j = 1..max_depth. Each depth's rate has the
         depth before's rate as its prior, worth one observation (a tree that survived to depth j
-        is about as likely to go on as one at j - 1); depth 1's prior is 0.5."""
+        is about as likely to go on as one at j - 1); depth 1's prior is 0.5. scale: each
+        depth's rate times this (another lm_head's, `HeadComparison.scale`), at most 1."""
         rate, prior = [], 0.5  # Python floats: the same float64 arithmetic, no tensor ops
         for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
             prior = (hits + prior) / (trials + 1.0)
-            rate.append(prior)
+            rate.append(min(prior * scale, 1.0) if scale != 1.0 else prior)
         return torch.cumprod(torch.tensor(rate, dtype=self.hits.dtype), 0)
+
+    def rescale(self, scale: float) -> None:
+        """Carry the statistics over to another lm_head: its predicted rates (`reach(scale)`)
+        become the measured ones, which its own trees then correct."""
+        self.hits = torch.minimum(self.hits * scale, self.trials)
+
+
+class HeadComparison:
+    """Acceptance of each of the draft's lm_heads at each width, measured in pairs: in a
+    compared step every draft pass ranks each row's top tokens by both heads, and once the
+    target has walked a tree, each node of its accepted path (the root included) is one
+    observation: the rank of the target's draw after that node among each head's tokens
+    (counted accepted at width w iff rank < w: the node's w best children). Along the
+    accepted path the drafts are the target's own tokens, so the draft's hidden states there
+    do not depend on which head drafted: both heads are scored on the same draws, and the
+    head that does not draft is measured without drafting with it. The ratio of the two
+    heads' rates at a width scales every depth's acceptance of the drafting head (`scale`):
+    a model, corrected by what the chosen head then measures. A switch is judged on the
+    other head's rate less one standard error of the paired difference (`doubt`: from the
+    observations where only one head was right), so noise does not make the heads flap."""
+
+    def __init__(self, heads: tuple[str, ...], widths: tuple[int, ...] = (1,),
+                 decay: float = HEAD_DECAY):
+        self.decay = decay
+        self.widths = widths
+        self.n = 0.0
+        self.hits = {h: {w: 0.0 for w in widths} for h in heads}
+        self.discordant = {w: 0.0 for w in widths}  # observations where the heads disagree
+
+    def add(self, ranks: dict[str, int | None]) -> None:
+        """One node of an accepted path: the rank of the target's draw after it among each
+        head's top tokens (0: its first; None: not among those ranked)."""
+        self.n = self.decay * self.n + 1.0
+        for w in self.widths:
+            right = {h: ranks[h] is not None and ranks[h] < w for h in self.hits}
+            for h, hits in self.hits.items():
+                hits[w] = self.decay * hits[w] + float(right[h])
+            self.discordant[w] = self.decay * self.discordant[w] + float(
+                len(set(right.values())) > 1)
+
+    def rate(self, head: str, width: int) -> float:
+        return (self.hits[head][width] + 1.0) / (self.n + 2.0)  # prior 1/2, worth two roots
+
+    def scale(self, head: str, drafting: str, width: int, doubt: float = 0.0) -> float:
+        """P(accepted) with `head` over P(accepted) with `drafting`, per depth, at `width`;
+        doubt: `head`'s rate lowered by that many standard errors of the paired difference."""
+        error = doubt * (self.discordant[width] + 1.0) ** 0.5 / (self.n + 2.0)
+        return max(self.rate(head, width) - error, 0.0) / self.rate(drafting, width)
 
 
 @dataclasses.dataclass
@@ -165,12 +221,15 @@ class StepCosts:
     draft_pass: dict  # width -> cost of a pass over that many rows (0: the root passes, B rows)
     verify: dict  # width -> the target's pass over width-w trees
     other: LinearCost  # rest of a step (scheduling, sampling): a constant
+    # lm_head -> the cost of its logits over that many rows (measured at load; only the
+    # difference between two heads is used, added to the measured passes)
+    head: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def measured(cls, widths: tuple[int, ...]) -> StepCosts:
+    def measured(cls, widths: tuple[int, ...], heads: tuple[str, ...] = ()) -> StepCosts:
         """Fitted online from this engine's own timings."""
         return cls({w: LinearCost() for w in (0, *widths)}, {w: LinearCost() for w in widths},
-                   LinearCost())
+                   LinearCost(), {h: LinearCost() for h in heads})
 
 
 @dataclasses.dataclass
@@ -180,6 +239,8 @@ class StepPlan:
     shape: TreeShape  # width k and the deepest depth allowed (D_max); depth 0: draft nothing
     adaptive: bool  # may stop before D_max
     full_depth: bool  # an exploration step: drafts to D_max whatever the costs say
+    head: str | None = None  # the lm_head to draft with (None: the draft's only one)
+    compare_heads: bool = False  # the other head proposes at the root too (`HeadComparison`)
 
 
 class ShapeTuner:
@@ -191,11 +252,17 @@ class ShapeTuner:
     accepted) report what happened. `costs`: the cost model (default: measured online)."""
 
     def __init__(self, widths: tuple[int, ...], max_depth: int, auto_width: bool,
-                 auto_depth: bool, costs: StepCosts | None = None):
+                 auto_depth: bool, costs: StepCosts | None = None,
+                 heads: tuple[str, ...] = ()):
         self.widths = widths
         self.max_depth = max_depth
         self.auto_width, self.auto_depth = auto_width, auto_depth
-        self.use_costs(costs or StepCosts.measured(widths))
+        # the draft's lm_heads (two: this tuner picks one; `HeadComparison`), the first first
+        self.heads = heads
+        self.head = heads[0] if heads else None
+        self.heads_compared = HeadComparison(heads, widths)
+        self.drafting_steps = 0  # steps that drafted: the comparison's schedule
+        self.use_costs(costs or StepCosts.measured(widths, heads))
         self.calibration = MassCalibration()
         self.acceptance = {w: WidthAcceptance(max_depth) for w in widths}
         self.width = max(widths)
@@ -227,6 +294,15 @@ class ShapeTuner:
 
     # ---- across steps: the shape ---------------------------------------------------------
     def plan_step(self, batch_size: int) -> StepPlan:
+        plan = self._plan_shape(batch_size)
+        plan.head = self.head
+        if plan.shape.depth > 0 and len(self.heads) > 1:
+            self.drafting_steps += 1
+            plan.compare_heads = (self.heads_compared.n < COMPARE_UNTIL
+                                  or self.drafting_steps % COMPARE_EVERY == 0)
+        return plan
+
+    def _plan_shape(self, batch_size: int) -> StepPlan:
         self.steps += 1
         if self.auto_width or self.auto_depth:
             unexplored = [w for w in self.widths if self.acceptance[w].steps < EXPLORE_STEPS]
@@ -260,13 +336,14 @@ class ShapeTuner:
         return StepPlan(TreeShape(self.width, self.depth), True, full)
 
     def predicted_rate(self, width: int, depth: int, batch_size: int,
-                       reach: list[float]) -> float:
+                       reach: list[float], head: str | None = None) -> float:
         """Predicted tokens/s of fixed-shape steps (width, depth) over `batch_size` requests;
-        reach: the width's `WidthAcceptance.reach()` as a list (computed once per choice)."""
+        reach: the width's `WidthAcceptance.reach()` as a list (computed once per choice);
+        head: the lm_head drafting (None: the current one)."""
         tokens = batch_size * (1.0 + sum(reach[:depth]))
         rows = batch_size * width
         return tokens / self.step_seconds(width, batch_size, depth - 1, (depth - 1) * rows,
-                                          depth * rows)
+                                          depth * rows, head)
 
     def plain_rate(self, batch_size: int) -> float:
         """Predicted tokens/s of plain decoding steps (no draft): one row per request, timed
@@ -277,22 +354,37 @@ class ShapeTuner:
         return batch_size / max(self.other(0) + verify(batch_size), 1e-9)
 
     def step_seconds(self, width: int, batch_size: int, passes: int, pass_rows: int,
-                     nodes: int) -> float:
+                     nodes: int, head: str | None = None) -> float:
         """Predicted seconds of a step: the root pass over the B bonus tokens, `passes` later
         passes over `pass_rows` rows in all (the cost is linear in rows, so each costs what a
-        pass over their mean does), and the verify of B + `nodes` rows."""
+        pass over their mean does), and the verify of B + `nodes` rows. head: drafting with
+        this lm_head instead of the current one (the passes were measured with that)."""
         later = passes * self.draft_pass[width](pass_rows / passes) if passes else 0.0
+        if head is not None and head != self.head:
+            later += self._head_extra(head, batch_size)
+            if passes:
+                later += passes * self._head_extra(head, pass_rows / passes)
         return max(self.other(0) + self.draft_pass[0](batch_size) + later
                    + self.verify[width](batch_size + nodes), 1e-9)
+
+    def _head_extra(self, head: str, rows: float) -> float:
+        """Seconds a pass over `rows` rows takes more with `head` than with the current head
+        (negative: less); 0 where either was not measured."""
+        costs = self.costs.head
+        if head not in costs or self.head not in costs or not (
+                costs[head].known and costs[self.head].known):
+            return 0.0
+        return costs[head](rows) - costs[self.head](rows)
 
     def _choose(self, batch_size: int) -> None:
         widths = self.widths if self.auto_width else (self.width,)
         depths = range(1, self.max_depth + 1) if self.auto_depth else (self.depth,)
-        reach = {w: self.acceptance[w].reach().tolist() for w in widths}  # once per width
-        rates = {(w, d): self.predicted_rate(w, d, batch_size, reach[w])
-                 for w in widths for d in depths}
-        best = max(rates, key=rates.get)  # the first of equal rates, as before
-        rate, plain = rates[best], self.plain_rate(batch_size)
+        best, rate = self._best_shape(batch_size, widths, depths, self.head)
+        head = self._choose_head(batch_size, widths, depths, rate)
+        if head is not None:
+            best, rate = self._best_shape(batch_size, widths, depths, head)
+            self._switch_head(head)
+        plain = self.plain_rate(batch_size)
         self.drafting = best
         if self.auto_depth and plain > rate:
             best = (best[0], 0)
@@ -309,6 +401,39 @@ class ShapeTuner:
                 logger.info("vllm-subspec: tree shape %dx%d (width x max depth), predicted "
                             "%.1f tok/s at batch %d", best[0], best[1], rate, batch_size)
         self.width, self.depth = best
+
+    def _best_shape(self, batch_size: int, widths, depths, head: str | None,
+                    doubt: float = 0.0) -> tuple[tuple[int, int], float]:
+        """The (width, depth) of the highest predicted rate with `head` drafting, and that
+        rate (doubt: `HeadComparison.scale`'s, for another head)."""
+        reach = {w: self.acceptance[w].reach(
+            1.0 if head == self.head else self.heads_compared.scale(head, self.head, w, doubt)
+        ).tolist() for w in widths}  # once per width
+        rates = {(w, d): self.predicted_rate(w, d, batch_size, reach[w], head)
+                 for w in widths for d in depths}
+        best = max(rates, key=rates.get)  # the first of equal rates, as before
+        return best, rates[best]
+
+    def _choose_head(self, batch_size: int, widths, depths, rate: float) -> str | None:
+        """Another lm_head, if it is predicted HEAD_SWITCH_GAIN x faster than the current
+        one's best rate `rate` even with its acceptance one standard error lower (from at
+        least COMPARE_UNTIL / 2 paired observations)."""
+        if len(self.heads) < 2 or self.heads_compared.n < COMPARE_UNTIL / 2:
+            return None
+        others = {h: self._best_shape(batch_size, widths, depths, h, doubt=1.0)[1]
+                  for h in self.heads if h != self.head}
+        head = max(others, key=others.get)
+        return head if others[head] > HEAD_SWITCH_GAIN * rate else None
+
+    def _switch_head(self, head: str) -> None:
+        compared = self.heads_compared
+        for w, acceptance in self.acceptance.items():
+            acceptance.rescale(compared.scale(head, self.head, w))
+        logger.info("vllm-subspec: drafting with the %s lm_head (acceptance at widths "
+                    "%s: %s vs %s with the %s one, paired)", head, list(self.widths),
+                    [round(compared.rate(head, w), 3) for w in self.widths],
+                    [round(compared.rate(self.head, w), 3) for w in self.widths], self.head)
+        self.head = head
 
     # ---- within a step: the depth --------------------------------------------------------
     def _step_so_far(self, p: torch.Tensor, width: int, reached: list[int]) -> tuple[float, float]:
@@ -387,6 +512,14 @@ class ShapeTuner:
     def observe_verify(self, width: int, rows: int, seconds: float) -> None:
         self.verify[width].add(rows, seconds)
 
+    def observe_heads(self, ranks: dict[str, int | None]) -> None:
+        """One target draw on an accepted path, ranked by each head (`HeadComparison.add`)."""
+        self.heads_compared.add(ranks)
+
+    def observe_head_cost(self, head: str, rows: int, seconds: float) -> None:
+        """The logits of `rows` rows through `head` took `seconds` (timed at load)."""
+        self.costs.head[head].add(rows, seconds)
+
     def observe_other(self, seconds: float) -> None:
         self.other.add(0, max(seconds, 0.0))
 
@@ -401,7 +534,8 @@ class ShapeTuner:
         self.calibration.add(mass, j <= accepted)
 
     def describe(self) -> str:
-        return (f"width {self.width}, max depth {self.depth}, draft pass "
+        head = f", {self.head} lm_head" if self.head else ""
+        return (f"width {self.width}, max depth {self.depth}{head}, draft pass "
                 f"{1e3 * self.draft_pass[self.width](self.width):.1f} ms at k rows, verify "
                 f"{1e3 * self.verify[self.width](1):.1f} ms + "
                 f"{1e3 * self.verify[self.width].per_row():.2f} ms/row")

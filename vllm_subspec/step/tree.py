@@ -143,6 +143,10 @@ class StoredTree:
     mask: torch.Tensor  # [n, n] ancestor-or-self
     width: int = 1  # k: nodes per depth (1 for a chain)
     level_log_mass: list[float] = field(default_factory=list)  # TreeBatch.log_mass, per depth
+    head: str | None = None  # the lm_head that drafted it
+    # a compared step's: lm_head -> per node, its top tokens after the node, best first
+    # (empty: no pass ran from the node); `shape_tuner.HeadComparison`
+    node_tops: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def depths(self) -> list[int]:
         """Each node's depth (root 0); parents precede their children."""

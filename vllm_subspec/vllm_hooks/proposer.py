@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -111,6 +112,29 @@ class SubSpecProposer(DraftModelProposer):
                                     self.device,  # and the buckets draft graphs pad to
                                     self.vllm_config.compilation_config.cudagraph_capture_sizes
                                     or ())
+        self._time_heads()
+
+    def _time_heads(self, repeats: int = 3) -> None:
+        """Each lm_head's logits timed at 1, k and 4k rows (k: the widest width), for the
+        tuner's choice between the draft's two heads (`ShapeTuner.observe_head_cost`); at
+        load, where waiting for the device costs nothing."""
+        tuner = self.session.tuner
+        if tuner is None or len(tuner.heads) < 2:
+            return
+        k = max(self.options.widths)
+        hidden_size = self.vllm_config.model_config.get_hidden_size()
+        dtype = self.vllm_config.model_config.dtype
+        wait = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        for rows in sorted({1, min(k, self.max_num_tokens), min(4 * k, self.max_num_tokens)}):
+            hidden = torch.rand(rows, hidden_size, dtype=dtype, device=self.device)
+            for head in tuner.heads:
+                self.model.compute_logits(hidden, head)  # first call: kernels' one-off work
+                wait()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    self.model.compute_logits(hidden, head)
+                wait()
+                tuner.observe_head_cost(head, rows, (time.perf_counter() - start) / repeats)
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
@@ -353,11 +377,12 @@ class SubSpecProposer(DraftModelProposer):
         )
         return decode_cad, last_verified
 
-    def _forward_logits(self, cad, input_ids: torch.Tensor, draft_index: int) -> torch.Tensor:
+    def _forward_hidden(self, cad, input_ids: torch.Tensor, draft_index: int) -> torch.Tensor:
         """One draft forward over cad's tokens (positions already in self.positions), padded
         to its bucket (`draft_bucket`): the padding rows hold earlier passes' tokens and
         positions, write no KV (slot -1, vLLM's `_get_slot_mapping`) and are attended by
-        nothing (the metadata's num_actual_tokens), and their logits are not computed."""
+        nothing (the metadata's num_actual_tokens); returns the hidden states of cad's tokens
+        (on CUDA a view of the graph's output: the next pass overwrites it)."""
         num_tokens = cad.num_actual_tokens
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=draft_index)
@@ -372,7 +397,7 @@ class SubSpecProposer(DraftModelProposer):
         ), self._drafting():
             hidden = self.model(input_ids=self.input_ids[:padded],
                                 positions=self.positions[:padded])
-        return self.model.compute_logits(hidden[:num_tokens])
+        return hidden[:num_tokens]
 
     def _advance_one(self, positions, cad):
         """positions += 1, their slots, seq_lens += 1 (vLLM's helper; clamps at max_model_len)."""
@@ -438,12 +463,29 @@ class VllmDraftPasses:
         self.max_rows = proposer.max_num_tokens  # its input/position/slot buffers' length
         self.on_device = cad.seq_lens.is_cuda
         self._root: torch.Tensor | None = None  # [B] L
+        self.heads = proposer.options.draft_heads
+        self.head = self.heads[0]  # the session sets each step's (`StepPlan.head`)
+        self.head_tops = 0  # the session sets it on a step that compares the heads
+        self._tops: dict[str, torch.Tensor] = {}
         self._active: tuple[list[int] | None, torch.Tensor | None] = (None, None)
 
     def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.positions = self.proposer._advance_one(self.positions, self.cad)
         self._root = self.positions.clone()
-        return self.proposer._forward_logits(self.cad, next_token_ids, 0), self._root
+        return self._logits(self.proposer._forward_hidden(self.cad, next_token_ids, 0)), \
+            self._root
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The pass's logits through the step's head; with head_tops, every head's top tokens
+        too, taken now (on CUDA `hidden` is a graph output the next pass overwrites)."""
+        logits = self.proposer.model.compute_logits(hidden, self.head)
+        if self.head_tops:
+            self._tops = {h: (logits if h == self.head else self.proposer.model.compute_logits(
+                hidden, h)).topk(self.head_tops, dim=-1).indices for h in self.heads}
+        return logits
+
+    def last_tops(self) -> dict[str, torch.Tensor]:
+        return self._tops
 
     def root_bounds(self, roots: torch.Tensor) -> list[int]:
         """On CPU the roots themselves. On a device vLLM's host bound of the verified lengths
@@ -456,7 +498,7 @@ class VllmDraftPasses:
 
     def chain_pass(self, index: int, input_ids: torch.Tensor) -> torch.Tensor:
         self.positions = self.proposer._advance_one(self.positions, self.cad)
-        return self.proposer._forward_logits(self.cad, input_ids, index)
+        return self._logits(self.proposer._forward_hidden(self.cad, input_ids, index))
 
     def level_pass(self, depth: int, width: int, tokens: torch.Tensor,
                    active: list[int] | None) -> torch.Tensor:
@@ -472,7 +514,7 @@ class VllmDraftPasses:
         p.positions[:n] = (root[:, None] + depth).expand(-1, width).reshape(-1)
         step_cad = p.tree_pass_metadata(cad, root, table, slots.reshape(-1), depth, width,
                                         active, rows)
-        return p._forward_logits(step_cad, tokens, depth)
+        return self._logits(p._forward_hidden(step_cad, tokens, depth))
 
     def _rows(self, active: list[int] | None) -> torch.Tensor | None:
         """The device indices of `active`, made once per change of the active set."""
