@@ -255,7 +255,7 @@ def main():
                      f"{r['layer_ms_before']:.3f} | {r['layer_ms_after']:.3f} | "
                      f"{'yes' if r['bit_identical'] else 'NO'} |")
     env = report["environment"]
-    lines += ["", (f"Machine: {env['cpu']} ({env['cores']} cores, shared); "
+    lines += ["", (f"Machine: {env['cpu']} ({env['cores']} cores); "
                    f"torch {env['torch']}; vLLM {env['vllm']}; {env['date']}.")]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -28,8 +28,8 @@ what a request outputs.
   (`verify_depths`: a depth whose verify rows cost more than they are expected to yield is not
   verified; on a GPU with offloading verify rows are almost free and nothing is cut);
   and, when the draft holds two lm_heads (`draft_lm_head: "auto"`), which one drafts
-  (`HeadComparison`: both heads' depth-1 acceptance measured on the same roots, paired; the
-  heads' costs per row measured at load).
+  (`HeadComparison`: both heads scored in pairs on the same target draws at every node of
+  accepted paths, per width; the heads' costs per row measured at load).
 """
 
 from __future__ import annotations
