@@ -90,22 +90,24 @@ def test_int4_dot_kernel_is_the_dequantized_matmul_at_every_row_count(group_size
 
 def test_int4_dot_layout_puts_each_code_where_the_kernel_reads_it():
     """The packed layout, read back in plain torch the way csrc/int4_dot_cpu.cpp reads it
-    (tile t, block b: byte 2j+e's low nibble is q[16t+j, 4b+e], its high nibble
-    q[16t+j, 4b+2+e]), gives back every code; meta holds s and (8 - z)*s per tile and group."""
+    (tile t, 64-byte block b: byte 16c + 8h + l is output 16t + 4c + l//2, input e = l % 2 of
+    a pair; its low nibble q[., 8b + 2h + e], its high one q[., 8b + 4 + 2h + e]), gives back
+    every code; meta holds s and (8 - z)*s per tile and group."""
     torch.manual_seed(2)
     n, k, g = 48, 128, 64
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scale, zero = torch.rand(n, k // g), torch.rand(n, k // g) * 15
     packed, meta = int4_dot_cpu.pack(codes, scale, zero)
-    assert packed.shape == (n // 16, k // 4, 32) and meta.shape == (n // 16, k // g, 32)
+    assert packed.shape == (n // 16, k // 8, 64) and meta.shape == (n // 16, k // g, 32)
     back = torch.empty_like(codes)
     for t in range(n // 16):
-        for b in range(k // 4):
-            for byte in range(32):
-                j, e = divmod(byte, 2)
+        for b in range(k // 8):
+            for byte in range(64):
+                c, h, lane = byte // 16, byte % 16 // 8, byte % 8
+                out, e = 16 * t + 4 * c + lane // 2, lane % 2
                 v = int(packed[t, b, byte])
-                back[16 * t + j, 4 * b + e] = v & 15
-                back[16 * t + j, 4 * b + 2 + e] = v >> 4
+                back[out, 8 * b + 2 * h + e] = v & 15
+                back[out, 8 * b + 4 + 2 * h + e] = v >> 4
     assert torch.equal(back, codes)
     assert torch.equal(meta[..., :16].float(), scale.view(3, 16, 2).transpose(1, 2)
                        .to(torch.bfloat16).float())
@@ -539,17 +541,15 @@ def test_a_failed_int4_dot_build_falls_back_to_tinygemm_with_one_warning(weight,
 
 
 def test_a_killed_int4_dot_build_leaves_no_lock_that_blocks_later_starts(tmp_path):
-    """torch's cpp_extension waits forever on a build lock whose build was killed; a lock older
-    than any build is removed before loading, a fresh one (a build under way) is kept."""
-    import os
-    import time
+    """torch's cpp_extension waits forever on its lock file when the process that made it was
+    killed. Loads and builds run one at a time under an flock (released by the kernel when its
+    holder dies), and under it a leftover torch lock is a dead process's: removed."""
+    import fcntl
 
-    lock = tmp_path / "lock"
-    int4_dot_cpu.clear_stale_lock(lock)  # none: nothing to do
-    lock.touch()
-    int4_dot_cpu.clear_stale_lock(lock)
-    assert lock.exists()  # another process may be building right now
-    old = time.time() - int4_dot_cpu.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    int4_dot_cpu.clear_stale_lock(lock)
-    assert not lock.exists()
+    (tmp_path / "lock").touch()  # left by a killed build
+    with int4_dot_cpu.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "vllm_subspec.flock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process must wait
+    with open(tmp_path / "vllm_subspec.flock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after the block

@@ -3,15 +3,18 @@ weight layout and its call.
 
 torch's tinygemm CPU kernel (`aten._weight_int4pack_mm_for_cpu`) dequantizes the weight again
 for every row of x: 6 rows cost ~3x one. This kernel unpacks each block of 4-bit codes once into
-bf16 vectors and multiplies it with up to 8 rows (`vdpbf16ps`, fp32 accumulation), applying each
-group's scale and zero point once per group. It is built with torch's cpp_extension on first use
-(a C++ compiler and ninja; ~30 s once, then loaded from torch's extension cache) on x86 CPUs
+bf16 vectors (7 instructions per 128 codes) and multiplies it with up to 8 rows (`vdpbf16ps`,
+fp32 accumulation), applying each group's scale and zero point once per group. It is built with
+torch's cpp_extension on first use (a C++ compiler and ninja; ~30 s once, then loaded from
+torch's extension cache) on x86 CPUs
 whose flags include AVX512-BF16; elsewhere, or if the build fails (logged once), the substitutes
 use tinygemm.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -26,10 +29,12 @@ logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handl
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_dot_cpu.cpp"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+# -fopenmp: at::parallel_for splits the tiles over torch's intra-op threads only when built
+# with OpenMP (ATen/ParallelOpenMP.h); the process's libgomp is torch's own.
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 TILE = 16  # output features per tile
 MAX_ROWS = 8  # rows of x sharing one pass over a tile (csrc: kMaxRows)
-STALE_LOCK_S = 600  # a build lock older than this was left by a killed build (~30 s builds)
 
 
 def cpu_has_flags(cpuinfo: str | None = None) -> bool:
@@ -62,9 +67,9 @@ def extension():
     start = time.perf_counter()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(folder / "lock")
-        module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                      build_directory=str(folder), verbose=False)
+        with build_lock(folder):
+            module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                          extra_ldflags=LDFLAGS, build_directory=str(folder), verbose=False)
     except Exception as e:  # no compiler, no ninja, an old assembler: tinygemm instead
         logger.warning("vllm-subspec: the AVX512-BF16 int4 kernel could not be built (%s: %s); "
                        "CPU substitutes use torch's tinygemm kernel", type(e).__name__, e)
@@ -76,18 +81,24 @@ def extension():
     return module
 
 
-def clear_stale_lock(lock: Path, max_age_s: float = STALE_LOCK_S) -> None:
-    """torch's cpp_extension builds under a lock file that a killed build leaves behind, and
-    then every later load waits for it forever (torch/utils/file_baton.py: FileBaton.wait).
-    A build takes well under `max_age_s`: an older lock is a dead build's, removed."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > max_age_s:
-        logger.warning("vllm-subspec: removing %s, left %.0f s ago by an int4 kernel build "
-                       "that did not finish", lock, age)
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """One process at a time loads or builds the kernel in `folder`, under an flock the kernel
+    releases when its holder dies. torch's cpp_extension takes a lock file of its own on every
+    load (`folder/lock`) and waits forever for one a killed process left behind
+    (torch/utils/file_baton.py: FileBaton.wait has no timeout); under the flock any such file
+    is a dead process's, so it is removed first."""
+    with open(folder / "vllm_subspec.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("vllm-subspec: removing %s, left by an int4 kernel build that "
+                               "did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def available() -> bool:
@@ -101,15 +112,15 @@ def packs(n: int, k: int, bits: int, group_size: int) -> bool:
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """HQQ's codes [N, K] uint8, scale and zero [N, G] -> (packed [N/16, K/4, 32] uint8,
+    """HQQ's codes [N, K] uint8, scale and zero [N, G] -> (packed [N/16, K/8, 64] uint8,
     meta [N/16, G, 32] bf16: per tile and group 16 scales, then 16 offsets (8 - zero) * scale,
     the numbers tinygemm stores)."""
     n, k = codes.shape
     g = scale.shape[1]
-    # [tile, out j, block b, half h, e] -> [tile, b, h, j, e]: byte 2j+e of block b holds
-    # q[16t+j, 4b+e] (low nibble, h=0) and q[16t+j, 4b+2+e] (high nibble, h=1).
-    c = codes.view(n // TILE, TILE, k // 4, 2, 2).permute(0, 2, 3, 1, 4)
-    packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // TILE, k // 4, 32).contiguous()
+    # codes as [tile, c, r, block b, nibble, h, e]: output 16t + 4c + r, input 8b + 4*nibble
+    # + 2h + e; byte 16c + 8h + 2r + e of block b holds both nibbles (csrc: the layout).
+    c = codes.view(n // TILE, 4, 4, k // 8, 2, 2, 2).permute(0, 3, 1, 5, 2, 6, 4)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // TILE, k // 8, 64).contiguous()
     per_tile = lambda t: t.view(n // TILE, TILE, g).transpose(1, 2)  # noqa: E731
     meta = torch.cat([per_tile(scale), per_tile((8 - zero) * scale)], -1).to(torch.bfloat16)
     return packed, meta.contiguous()
