@@ -6,9 +6,8 @@ for every row of x: 6 rows cost ~3x one. This kernel unpacks each block of 4-bit
 bf16 vectors (7 instructions per 128 codes) and multiplies it with up to 8 rows (`vdpbf16ps`,
 fp32 accumulation), applying each group's scale and zero point once per group. It is built with
 torch's cpp_extension on first use (a C++ compiler and ninja; ~30 s once, then loaded from
-torch's extension cache) on x86 CPUs
-whose flags include AVX512-BF16; elsewhere, or if the build fails (logged once), the substitutes
-use tinygemm.
+torch's extension cache) on x86 CPUs whose flags include AVX512-BF16; elsewhere, or if the build
+fails (logged once), the substitutes use tinygemm.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 TILE = 16  # output features per tile
-MAX_ROWS = 8  # rows of x sharing one pass over a tile (csrc: kMaxRows)
 
 
 def cpu_has_flags(cpuinfo: str | None = None) -> bool:
@@ -59,7 +57,7 @@ def extension():
     # The name carries a hash of the source, the flags and torch's version (the module links
     # against torch's C++ API), in a folder per Python version, as torch's own default: an
     # edited kernel or an upgraded torch never loads a stale build.
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + [torch.__version__])
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS + [torch.__version__])
                             .encode()).hexdigest()[:12]
     name = f"vllm_subspec_int4_dot_{digest}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())

@@ -215,7 +215,7 @@ class Int4CpuKernel:
 
 class Int4DotCpuKernel(Int4CpuKernel):
     """`Int4CpuKernel` with the AVX512-BF16 kernel in tinygemm's place (int4_dot_cpu.py): each
-    32-byte block of codes is unpacked once into bf16 and multiplied with up to 8 rows, so a
+    64-byte block of codes is unpacked once into bf16 and multiplied with up to 8 rows, so a
     tree level of k rows costs far less than k chain steps (measured in
     benchmarks/draft_kernels.py). It stores what tinygemm stores (the codes, s and (8 - z)*s
     in bf16) in its own layout and computes in bf16 activations, also for float16 models; the
