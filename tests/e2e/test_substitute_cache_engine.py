@@ -23,7 +23,8 @@ def test_engine_warm_start_builds_nothing(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
     root = tmp_path / "subs"
     spec = {"method": "subspec", "num_speculative_tokens": 4, "substitute_layers": "all",
-            "quantizer": "rtn", "substitute_cache": str(root)}
+            "quantizer": "rtn", "substitute_cache": str(root),
+            "draft_lm_head": "quantized"}  # a chain's default head is the target's
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 9, 13, 2]}, {"prompt_token_ids": [7, 1, 30]}]
     runs = []
