@@ -123,7 +123,8 @@ def int4_dot_cpu_linear(x: torch.Tensor, packed: torch.Tensor, meta: torch.Tenso
 
 torch.library.custom_op("vllm_subspec::int4_dot_cpu_linear", int4_dot_cpu_linear,
                         mutates_args=()) \
-    .register_fake(lambda x, packed, *_: x.new_empty(x.shape[0], packed.shape[0] * 16))
+    .register_fake(lambda x, packed, *_: x.new_empty(x.shape[0],
+                                                     packed.shape[0] * int4_dot_cpu.TILE))
 
 
 class Int4CpuKernel:
