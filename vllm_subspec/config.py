@@ -108,11 +108,10 @@ class SubSpecOptions:
 
     @property
     def draft_heads(self) -> tuple[str, ...]:
-        """The lm_heads the draft holds, the one it starts drafting with first. "auto": both
-        where a tuner can choose (an auto shape: `shape_tuner.HeadComparison`), the target's
-        first (no τ given away before the measurements say it buys something); else the
-        target's, which never loses τ and was never measured slower end to end
-        (docs/results.md, the draft's lm_head)."""
+        """The lm_heads the draft holds. "auto": both where a tuner can choose (an auto shape:
+        `shape_tuner.HeadComparison`; it drafts first with the one timed cheaper at load, the
+        target's on a tie or untimed); else the target's, which never loses τ and was never
+        measured slower end to end (docs/results.md, the draft's lm_head)."""
         if self.draft_lm_head != AUTO:
             return (self.draft_lm_head,)
         return ("target", "quantized") if self.is_auto and self.is_tree else ("target",)

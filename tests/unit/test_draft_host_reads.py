@@ -29,6 +29,7 @@ class MetaPasses:
     through their bounds (as vLLM's `seq_lens_cpu_upper_bound`)."""
 
     on_device = True
+    keep_hidden = False
 
     def __init__(self, bounds: list[int], mask: TreeMask, max_model_len: int = 1000,
                  max_rows: int = 1000):
@@ -42,7 +43,11 @@ class MetaPasses:
         self.polls_to_land = 1
 
     def _logits(self, rows: int) -> torch.Tensor:
+        self.hidden = torch.empty(rows, 16, device=META) if self.keep_hidden else None
         return torch.empty(rows, VOCAB, device=META)
+
+    def last_hidden(self):
+        return self.hidden
 
     def bonus_pass(self, next_token_ids):
         return self._logits(self.batch_size), torch.empty(self.batch_size, dtype=torch.int64,
@@ -124,20 +129,28 @@ class _FactoryCopies(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@pytest.mark.parametrize("kept", [0, 2])
 @pytest.mark.parametrize("case", ["full", "near_max_model_len", "split_levels"])
-def test_a_tree_step_reads_nothing_from_the_device_inside_its_passes(case):
+def test_a_tree_step_reads_nothing_from_the_device_inside_its_passes(case, kept):
     """A fixed-shape tree step over 3 requests: all drafting to the end; one stopping early
     at max_model_len (the active set changes: a new index tensor); levels wider than one
-    forward (one index tensor per group)."""
+    forward (one index tensor per group). kept: a compared step's hidden states of the first
+    requests (`keep_hidden`), kept on the device."""
     shape = TreeShape(3, 4)
     mask = TreeMask()
     passes = MetaPasses([5, 20, 9], mask,
                         max_model_len={"near_max_model_len": 30}.get(case, 1000),
                         max_rows={"split_levels": 7}.get(case, 1000))
+    passes.keep_hidden = kept > 0
     with HostDeviceTraffic() as traffic:
         draft = draft_tree(passes, torch.zeros(3, dtype=torch.int64, device=META), shape,
-                           mask, temperature=1.0)
+                           mask, temperature=1.0, keep_hidden=kept)
     assert draft.tree.tokens.device == META
+    if kept:
+        assert draft.node_hidden.shape == (kept, 1 + 3 * 4, 16)
+        assert draft.node_hidden.device == META
+    else:
+        assert draft.node_hidden is None
     assert traffic.blocking == []
     assert draft.level_forwards == (6 if case == "split_levels" else 3)
     # the roots of the tree rows stayed on the device: the host never learned them

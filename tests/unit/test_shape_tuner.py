@@ -107,6 +107,7 @@ class World:
         for head, (_, (a, b)) in self.heads.items():
             for rows in (1, 6, 24):
                 tuner.observe_head_cost(head, rows, a + b * rows)
+        tuner.start_with_cheaper_head(6)
 
     def t_verify(self, rows):
         return self.verify_cost[0] + self.verify_cost[1] * rows
@@ -398,6 +399,24 @@ def test_the_tuner_drafts_with_the_head_that_is_faster_end_to_end(heads, best_he
     assert max(best, key=best.get) == best_head  # the worlds are what their names say
     assert tuner.head == best_head, (tuner.head, best, tuner.heads_compared.hits)
     assert rate >= 0.9 * best[best_head], (rate, best, tuner.describe())
+
+
+def test_the_tuner_starts_with_the_head_timed_cheaper_at_load():
+    """Before any paired observation both heads are taken to accept alike, so the one whose
+    logits were timed cheaper drafts first; untimed heads keep the configured order."""
+    heads = ("target", "quantized")
+    for costs, first in [({"target": 0.030, "quantized": 0.007}, "quantized"),
+                         ({"target": 0.002, "quantized": 0.003}, "target"),
+                         ({"target": 0.004, "quantized": 0.004}, "target")]:  # a tie: in order
+        tuner = ShapeTuner((1, 6), 8, auto_width=True, auto_depth=True, heads=heads)
+        for head, seconds in costs.items():
+            for rows in (1, 6, 24):
+                tuner.observe_head_cost(head, rows, seconds * rows)
+        tuner.start_with_cheaper_head(6)
+        assert tuner.head == first and tuner.plan_step(1).head == first
+    untimed = ShapeTuner((1, 6), 8, auto_width=True, auto_depth=True, heads=heads)
+    untimed.start_with_cheaper_head(6)
+    assert untimed.head == "target"
 
 
 def test_the_head_comparison_is_paired_and_scales_the_acceptance_per_width():

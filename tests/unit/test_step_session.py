@@ -17,8 +17,14 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.draft import draft_tree
 from vllm_subspec.step.paged_kv import CpuVecLayout, logical_to_slots
-from vllm_subspec.step.session import StepSession, VerifyRequest, path_ranks
-from vllm_subspec.step.shape_tuner import HeadComparison, LinearCost, ShapeTuner, StepCosts
+from vllm_subspec.step.session import StepSession, VerifyRequest
+from vllm_subspec.step.shape_tuner import (
+    COMPARED_REQUESTS,
+    HeadComparison,
+    LinearCost,
+    ShapeTuner,
+    StepCosts,
+)
 from vllm_subspec.step.tree import TreeShape
 
 V = 12
@@ -42,7 +48,7 @@ class StubPasses:
 
     on_device = False
     head = "target"  # the drafting lm_head: DRAFT (the session sets each step's)
-    head_tops = 0  # > 0: every pass ranks its rows by both heads (DRAFT, OTHER_HEAD)
+    keep_hidden = False  # every pass keeps its rows' "hidden states": their tokens
 
     def __init__(self, roots: list[int], mask, max_model_len: int = 1000, max_rows: int = 1000):
         self.roots = torch.tensor(roots)
@@ -57,14 +63,20 @@ class StubPasses:
         return self._logits(next_token_ids), self.roots
 
     def _logits(self, tokens):
-        """The drafting head's logits; with head_tops, both heads' top tokens of the rows."""
-        self.tops = {} if not self.head_tops else {
-            h: table[tokens].topk(self.head_tops, dim=-1).indices
-            for h, table in ((self.head, DRAFT), ("quantized", OTHER_HEAD))}
+        """The drafting head's logits; with keep_hidden, the rows' hidden states (a bigram
+        model's: the token itself)."""
+        self.hidden = tokens[:, None].float() if self.keep_hidden else None
         return DRAFT[tokens]
 
-    def last_tops(self):
-        return self.tops
+    def last_hidden(self):
+        return self.hidden
+
+    def rank_heads(self, hidden, top):
+        """Both heads' top tokens: DRAFT drafts ("target"), OTHER_HEAD is the other."""
+        self.ranked_rows = getattr(self, "ranked_rows", 0) + len(hidden)
+        tokens = hidden[:, 0].long()
+        return {h: table[tokens].topk(top, dim=-1).indices
+                for h, table in ((self.head, DRAFT), ("quantized", OTHER_HEAD))}
 
     def root_bounds(self, roots):
         return roots.tolist()
@@ -141,8 +153,9 @@ def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec:
     logits = TARGET[torch.tensor(node_tokens)]
     walk = session.sample_and_walk(req_ids, [len(d) for d in drafts], logits,
                                    greedy_sampling(len(roots)), topk_topp_sampler=None)
-    kv_caches, layout = kv_cache()
-    table = torch.arange(8, dtype=torch.int32).flip(0).reshape(2, 4)  # blocks out of order
+    blocks = 4 * max(2, len(roots))  # 4 blocks (64 slots) a request
+    kv_caches, layout = kv_cache(blocks)
+    table = torch.arange(blocks, dtype=torch.int32).flip(0).reshape(-1, 4)  # out of order
     session.compact(walk.moves, kv_caches, table, BS)
     return SimpleNamespace(passes=passes, drafts=drafts, positions=positions, plan=plan,
                            walk=walk, layout=layout, table=table)
@@ -381,10 +394,11 @@ def test_step_seconds_leave_idle_gaps_out():
 
 
 def test_a_compared_step_scores_both_lm_heads_on_every_draw_of_the_accepted_paths():
-    """`draft_lm_head: "auto"`: the step drafts with the tuner's head; on a compared step every
-    pass ranks its rows by both heads, and at the verify each node of an accepted path a pass
-    ran from is one paired observation: the rank of the target's draw after it among each
-    head's top tokens (accepted at width w iff rank < w)."""
+    """`draft_lm_head: "auto"`: the step drafts with the tuner's head; on a compared step the
+    passes keep their rows' hidden states, and at the verify each node of an accepted path a
+    pass ran from is one paired observation: the rank of the target's draw after it among each
+    head's top tokens there (accepted at width w iff rank < w). Only those nodes go through the
+    heads, and only the first COMPARED_REQUESTS requests' trees are scored."""
     options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
     assert options.draft_heads == ("target", "quantized")
     tuner = ShapeTuner((1, 2), 3, auto_width=False, auto_depth=False,  # always drafts, 2 x 3
@@ -392,11 +406,15 @@ def test_a_compared_step_scores_both_lm_heads_on_every_draw_of_the_accepted_path
     tuner.heads_compared = HeadComparison(options.draft_heads, (1, 2), decay=1.0)  # counts
     session = StepSession(options, tuner)
     n, hits = 0, {h: {1: 0, 2: 0} for h in options.draft_heads}
-    for pair in range(0, V, 2):  # every token as a root, two requests a step
-        bonus = [pair, pair + 1]
-        step = run_step(session, [5, 20], bonus, options.num_draft_tokens)
-        assert step.passes.head == "target" and step.passes.head_tops == 2
-        n = _ranked_by_both_tables(step.walk, bonus, n, hits)
+    batch = COMPARED_REQUESTS + 1  # the last request is drafted, verified, not compared
+    for first in range(0, V - batch, batch):  # every token as a root
+        bonus = list(range(first, first + batch))
+        step = run_step(session, [5 + 15 * (i % 3) for i in range(batch)], bonus,
+                        options.num_draft_tokens)
+        assert step.passes.head == "target" and step.passes.keep_hidden
+        ranked = n
+        n = _ranked_by_both_tables(step.walk, bonus[:COMPARED_REQUESTS], n, hits)
+        assert step.passes.ranked_rows == n - ranked  # the accepted paths' nodes, no more
     compared = tuner.heads_compared
     assert compared.n == n > V  # deeper nodes too, not only the roots
     assert compared.hits == hits
@@ -419,29 +437,21 @@ def _ranked_by_both_tables(walk, bonus, n, hits):
     return n
 
 
-def test_path_ranks_skip_nodes_no_pass_ran_from():
-    tops = {"a": [[4, 5], [6, 7], []], "b": [[5, 4], [1, 2], []]}  # node 2: the deepest level
-    assert path_ranks(tops, [0, 1, 2], [5, 9, 3]) == [{"a": 1, "b": 0}, {"a": None, "b": None}]
-
-
-def test_node_tops_are_kept_per_node_also_for_requests_that_dropped_out():
-    """draft_tree's node_tops: row r of a level pass is node level(d)[r % k] of the r // k-th
-    request drafting; a request that stopped keeps -1 (no pass ran from its nodes)."""
+def test_node_hidden_is_kept_per_node_also_for_requests_that_dropped_out():
+    """draft_tree's node_hidden: row r of a level pass is node level(d)[r % k] of the r // k-th
+    request drafting; only the first keep_hidden requests keep theirs; a request that stopped
+    keeps zeros (no pass ran from its nodes)."""
     session = StepSession(SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 3}))
-    passes = StubPasses([5, 20, 40], session.mask)
-    passes.head_tops = 3
+    passes = StubPasses([5, 20, 40, 60], session.mask)
+    passes.keep_hidden = True
     shape = TreeShape(2, 3)
-    draft = draft_tree(passes, torch.tensor([1, 4, 7]), shape, session.mask, 0.2,
-                       lambda log_mass, reached: [0, 2], node_tops=3)  # request 1 stops
-    assert draft.reached == [3, 1, 3]
-    tokens = draft.tree.tokens
-    for h, table in (("target", DRAFT), ("quantized", OTHER_HEAD)):
-        tops = draft.node_tops[h]  # [B, nodes, 3]
-        assert tops.shape == (3, 7, 3)
-        for i in range(3):
-            for node in range(7):
-                depth = 0 if node == 0 else (node - 1) // 2 + 1
-                ran = depth < draft.reached[i]  # a pass ran from this node
-                expected = table[tokens[i, node]].topk(3).indices if ran \
-                    else torch.full((3,), -1)
-                assert torch.equal(tops[i, node], expected), (h, i, node)
+    draft = draft_tree(passes, torch.tensor([1, 4, 7, 9]), shape, session.mask, 0.2,
+                       lambda log_mass, reached: [0, 2, 3], keep_hidden=3)  # request 1 stops
+    assert draft.reached == [3, 1, 3, 3]
+    tokens, hidden = draft.tree.tokens, draft.node_hidden  # [3, nodes, 1]: the stub's tokens
+    assert hidden.shape == (3, 7, 1)
+    for i in range(3):
+        for node in range(7):
+            depth = 0 if node == 0 else (node - 1) // 2 + 1
+            ran = depth < draft.reached[i]  # a pass ran from this node
+            assert hidden[i, node, 0] == (tokens[i, node] if ran else 0), (i, node)

@@ -32,14 +32,18 @@ class DraftPasses(Protocol):
     max_rows: int  # the most tokens one forward takes (vLLM's buffers: max_num_batched_tokens)
     on_device: bool  # CUDA: a host read is a sync, timings need `synchronize`
     head: str | None  # the lm_head the passes draft with (None: the draft's only one)
-    head_tops: int  # > 0: each pass also ranks its rows' top tokens by every head (`last_tops`)
+    keep_hidden: bool  # each pass keeps its rows' hidden states (`last_hidden`)
 
     def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's bonus token at p + 1 -> (logits [B, V], the roots' positions L [B])."""
 
-    def last_tops(self) -> dict[str, torch.Tensor]:
-        """With head_tops = n: lm_head -> [rows, n] the top n tokens, best first, of each row
-        of the last pass through each of the draft's heads (`shape_tuner.HeadComparison`)."""
+    def last_hidden(self) -> torch.Tensor:
+        """With keep_hidden: [rows, H] the draft's final hidden states of the last pass's rows
+        (a copy: later passes leave it alone)."""
+
+    def rank_heads(self, hidden: torch.Tensor, top: int) -> dict[str, torch.Tensor]:
+        """lm_head -> [rows, top] the top tokens, best first, of each row of `hidden` ([rows, H],
+        kept by `last_hidden`) through each of the draft's heads (`shape_tuner.HeadComparison`)."""
 
     def root_bounds(self, roots: torch.Tensor) -> list[int]:
         """Upper bounds of the roots' positions on the host, known without reading `roots` on a
@@ -111,9 +115,10 @@ class TreeDraft:
     pass_rows: list[int]  # rows of each level after the root's
     root_seconds: float | None  # the root pass's time (None on a device: not synced)
     level_forwards: int  # forwards over those levels (more than levels where one was split)
-    # with `node_tops` = n: lm_head -> [B, nodes, n] each head's top n tokens after each node
-    # a pass ran from (-1: none ran from it, the deepest level)
-    node_tops: dict[str, torch.Tensor] | None = None
+    # with `keep_hidden` = n: [min(n, B), nodes, H] the draft's hidden state after each node a
+    # pass ran from, of the first n requests (nodes of depth < reached; zeros elsewhere), for
+    # the heads' comparison after the verify
+    node_hidden: torch.Tensor | None = None
 
     @property
     def passes(self) -> int:
@@ -135,16 +140,19 @@ DraftingNext = Callable[[torch.Tensor, list[int]], list[int]]
 
 def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeShape,
                mask: TreeMask, temperature: float, drafting_next: DraftingNext | None = None,
-               clock: Callable[[], float] = time.perf_counter, node_tops: int = 0) -> TreeDraft:
+               clock: Callable[[], float] = time.perf_counter, keep_hidden: int = 0
+               ) -> TreeDraft:
     """Grow this step's trees to `shape.depth` at most.
 
     drafting_next: asked which requests draft on, every depth on CPU; on a device every 4
     depths, with the masses of an earlier check that have landed on the host
     (`FrontierReads`: no sync); those left out stop (their later nodes stay dead), and
     drafting ends when none is left. None: all go on.
-    node_tops: > 0: keep every head's top `node_tops` tokens after each node a pass ran from
-    (`TreeDraft.node_tops`; the tuner compares the draft's lm_heads on them, paired:
-    `shape_tuner.HeadComparison`); the passes must rank as many (`DraftPasses.head_tops`).
+    keep_hidden: > 0: for the first `keep_hidden` requests, keep the draft's hidden state after
+    each node a pass ran from (`TreeDraft.node_hidden`; after the verify the tuner ranks the
+    target's draws along the accepted paths by both lm_heads there, paired:
+    `shape_tuner.HeadComparison`, so only those few rows go through the head that did not
+    draft); the passes must keep them (`DraftPasses.keep_hidden`).
     A request whose next level would pass max_model_len stops there too (by the bound of its
     root's position on a device, so perhaps a level early); the others go on (`reached` says
     how deep each got). On a device nothing inside the passes reads the device but
@@ -160,12 +168,12 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
     roots = list(root_pos.unbind()) if passes.on_device else bounds
     tree = TreeBatch(shape, next_token_ids.to(torch.int64))
     tree.grow(sharpened_log_probs(logits, temperature))
-    tops = None
-    if node_tops:  # [B, nodes, n] per head; the root's row now, each level's after its pass
-        tops = {h: torch.full((*tree.tokens.shape, node_tops), -1, dtype=torch.int64,
-                              device=t.device) for h, t in passes.last_tops().items()}
-        for h, t in passes.last_tops().items():
-            tops[h][:, 0] = t
+    hidden = None
+    if keep_hidden:  # [n, nodes, H]: the root's row now, each level's after its pass
+        root_hidden = passes.last_hidden()[: keep_hidden]
+        hidden = root_hidden.new_zeros(len(root_hidden), tree.tokens.shape[1],
+                                       root_hidden.shape[-1])
+        hidden[:, 0] = root_hidden
     root_seconds = None if passes.on_device else clock() - start
     active = list(range(b))  # the requests still drafting (host)
     rows = None  # their indices on the device; None while all are
@@ -191,13 +199,13 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
         if len(fits) < len(active):
             active = fits
             rows = device_index(active, root_pos.device)
-        logits, forwards = _level_logits(passes, tree, mask, d, roots, active, rows, tops)
+        logits, forwards = _level_logits(passes, tree, mask, d, roots, active, rows, hidden)
         tree.grow(sharpened_log_probs(logits, temperature).view(len(active), k, -1), rows)
         pass_rows.append(len(active) * k)
         level_forwards += forwards
         for i in active:
             reached[i] = d + 1
-    return TreeDraft(tree, reached, pass_rows, root_seconds, level_forwards, tops)
+    return TreeDraft(tree, reached, pass_rows, root_seconds, level_forwards, hidden)
 
 
 def device_index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -211,11 +219,11 @@ def device_index(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
                   roots: list, active: list[int], rows: torch.Tensor | None,
-                  tops: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
+                  hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """The draft's logits at the k depth-d nodes of the `active` requests ([R * k, V]), and
     the forwards that took: one, or one per group of requests when R * k rows would not fit
-    one forward (max_num_seqs x k can exceed vLLM's max_num_batched_tokens). tops: each
-    head's top tokens after each node (`draft_tree`'s node_tops), filled in at the level."""
+    one forward (max_num_seqs x k can exceed vLLM's max_num_batched_tokens). hidden: the
+    hidden state after each node (`draft_tree`'s node_hidden), filled in at the level."""
     k, level = tree.shape.width, tree.shape.level(d)
     per_pass = max(1, passes.max_rows // k)
     groups = [active] if len(active) <= per_pass else \
@@ -232,10 +240,11 @@ def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
         with mask.active(plan):
             logits.append(passes.level_pass(d, k, tree.frontier_tokens(group_rows).reshape(-1),
                                             subset))
-        for h, t in (passes.last_tops().items() if tops is not None else ()):
-            t = t.view(len(group), k, -1)  # [R, k, n]: rows are the requests' level nodes
-            if group_rows is None:
-                tops[h][:, level] = t
+        kept = 0 if hidden is None else sum(i < len(hidden) for i in group)  # group: in order
+        if kept:  # [R, k, H]: rows are the requests' level nodes
+            h = passes.last_hidden().view(len(group), k, -1)[:kept]
+            if group_rows is None:  # group: every request
+                hidden[:, level] = h
             else:
-                tops[h][group_rows, level] = t
+                hidden[group_rows[:kept], level] = h
     return (logits[0] if len(logits) == 1 else torch.cat(logits)), len(groups)

@@ -34,7 +34,7 @@ import torch
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.draft import DraftPasses, TreeDraft, draft_chain, draft_tree
 from vllm_subspec.step.paged_kv import move_kv
-from vllm_subspec.step.shape_tuner import ShapeTuner, StepPlan
+from vllm_subspec.step.shape_tuner import COMPARED_REQUESTS, ShapeTuner, StepPlan
 from vllm_subspec.step.tree import StoredTree, TreeShape
 from vllm_subspec.step.tree_attention import TreeMask, TreePlan, TreeRows
 from vllm_subspec.step.verify import (
@@ -99,6 +99,7 @@ class StepSession:
         self.verifying: dict[str, VerifiedTree] = {}  # this step's trees
         self._verify_plan: TreePlan | None = None  # this step's verify rows, until the forward
         self._verify_start: float | None = None
+        self._head_ranker: DraftPasses | None = None  # a compared step's passes, until its verify
         self._verify_seconds: float | None = None  # the last tree verify's, for the tuner
         self._last_draft_end: float | None = None
 
@@ -150,14 +151,17 @@ class StepSession:
         self.stats.tree_width = k
         if plan.head is not None:
             passes.head = plan.head
-        ranked = max(tuner.widths) if plan.compare_heads else 0  # tokens each head ranks
-        passes.head_tops = ranked
+        compared = min(COMPARED_REQUESTS, len(req_ids)) if plan.compare_heads else 0
+        passes.keep_hidden = compared > 0
+        # the heads rank the accepted paths' draws after the verify, through these passes
+        self._head_ranker = passes if plan.compare_heads else None
         adaptive = tuner is not None and plan.adaptive and not plan.full_depth
         start = self.clock()
         draft = draft_tree(passes, next_token_ids, plan.shape, self.mask,
                            self.options.draft_temperature,
                            (lambda log_mass, reached: tuner.drafting_next(log_mass, k, reached))
-                           if adaptive else None, clock=self.clock, node_tops=ranked)
+                           if adaptive else None, clock=self.clock,
+                           keep_hidden=compared)
         if tuner is None:  # a fixed shape: k * D tokens each, unless cut short
             self.stats.tree_depth = max(draft.reached)
             pending = self._keep_pending(req_ids, draft, chain_only)
@@ -169,30 +173,24 @@ class StepSession:
         passes.synchronize()
         tuner.observe_draft(k, len(req_ids), draft.pass_rows, self.clock() - start,
                             draft.root_seconds)
-        pending = self._keep_pending(req_ids, draft, chain_only, log_mass, plan.head,
-                                     draft.node_tops)
+        pending = self._keep_pending(req_ids, draft, chain_only, log_mass, plan.head)
         depths = tuner.verify_depths(log_mass, k, draft.reached)
         self.stats.tree_depth = max(depths)
         return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, depths)], draft.passes
 
     def _keep_pending(self, req_ids: list[str], draft: TreeDraft, chain_only: list[bool],
-                      log_mass: torch.Tensor | None = None, head: str | None = None,
-                      node_tops: dict[str, torch.Tensor] | None = None) -> list[StoredTree]:
+                      log_mass: torch.Tensor | None = None, head: str | None = None
+                      ) -> list[StoredTree]:
         """Keep each request's tree (its best path, for `chain_only` ones) until it is
         verified. log_mass: [B, grown + 1] per-depth log frontier mass on the host, for an
-        auto shape's tuner; None for a fixed shape. head: the lm_head that drafted;
-        node_tops: lm_head -> [B, nodes, m] its top tokens after each node (`draft_tree`),
-        read in the trees' one host read."""
-        tree = draft.tree
-        heads = list(node_tops or {})
-        rows = torch.cat([tree.tokens, *(node_tops[h].flatten(1) for h in heads)], 1).tolist() \
-            if heads else tree.tokens.tolist()
-        n, parents = tree.tokens.shape[1], tree.parents.tolist()
+        auto shape's tuner; None for a fixed shape. head: the lm_head that drafted; a compared
+        step's trees keep their nodes' hidden states (`draft.node_hidden`, on the device)."""
+        tree, hidden = draft.tree, draft.node_hidden
+        rows, parents = tree.tokens.tolist(), tree.parents.tolist()  # the one host read
         masses = log_mass.tolist() if log_mass is not None else [[] for _ in req_ids]
-        m = node_tops[heads[0]].shape[2] if heads else 0  # every head ranks as many
-        stored = [StoredTree(rows[i][:n], parents[i], tree.mask[i], tree.shape.width, masses[i],
-                             head, {h: _per_node(rows[i][n + j * n * m: n + (j + 1) * n * m], m)
-                                    for j, h in enumerate(heads)})
+        stored = [StoredTree(rows[i], parents[i], tree.mask[i], tree.shape.width, masses[i],
+                             head, hidden[i] if hidden is not None and i < len(hidden) else None,
+                             draft.reached[i])
                   for i in range(len(req_ids))]
         stored = [t.best_path(draft.reached[i]) if chain_only[i] else t
                   for i, t in enumerate(stored)]
@@ -263,9 +261,8 @@ class StepSession:
             for v, path, n, emitted in drafted:
                 self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, len(path),
                                         n // v.tree.width)
-                if v.tree.node_tops:  # both heads scored on the same draws, paired
-                    for ranks in path_ranks(v.tree.node_tops, [0, *path], emitted.tolist()):
-                        self.tuner.observe_heads(ranks)
+            self._compare_heads([(v.tree, [0, *path], emitted) for v, path, _, emitted
+                                 in drafted if v.tree.node_hidden is not None], max_rows)
         if self._verify_start is not None:
             seconds = self.clock() - self._verify_start
             self.stats.verify_seconds += seconds
@@ -276,6 +273,37 @@ class StepSession:
         self._verify_start = None
         self.verifying = {}
         return walk
+
+    def _compare_heads(self, paths: list[tuple[StoredTree, list[int], torch.Tensor]],
+                       max_rows: int | None) -> None:
+        """Score both lm_heads on the same target draws, paired (`HeadComparison`): along
+        each accepted path (the root, then the accepted nodes), the rank of the target's draw
+        after each node a pass ran from among each head's top tokens there. The drafts along
+        the path are the target's own tokens, so the draft's hidden states there are the same
+        whichever head drafted; only these rows go through the heads (in chunks of max_rows,
+        as the verify draws), not every row of every pass."""
+        ranker, self._head_ranker = self._head_ranker, None
+        if ranker is None or not paths:
+            return
+        hidden, draws = [], []
+        for tree, nodes, emitted in paths:
+            depths = tree.depths()
+            ran = [(node, drawn) for node, drawn in zip(nodes, emitted.tolist())
+                   if depths[node] < tree.hidden_depth]
+            if ran:  # one gather per tree
+                hidden.append(tree.node_hidden[[node for node, _ in ran]])
+                draws += [drawn for _, drawn in ran]
+        if not draws:
+            return
+        rows, top = torch.cat(hidden), max(self.tuner.widths)
+        chunk = max_rows or len(draws)
+        tops: dict[str, list[list[int]]] = {}
+        for start in range(0, len(draws), chunk):
+            for h, t in ranker.rank_heads(rows[start: start + chunk], top).items():
+                tops.setdefault(h, []).extend(t.tolist())
+        for j, drawn in enumerate(draws):
+            self.tuner.observe_heads({h: t[j].index(drawn) if drawn in t[j] else None
+                                      for h, t in tops.items()})
 
     # ---- 5. compact ----------------------------------------------------------------------
     @staticmethod
@@ -292,22 +320,3 @@ class StepSession:
                                            device=row.device)
             move_kv(kv_caches, row, block_size, src, dst)
 
-
-def _per_node(flat: list[int], m: int) -> list[list[int]]:
-    """[nodes * m] -> per node its m tokens ([] where none were ranked: -1s)."""
-    return [top if top[0] >= 0 else [] for top in (flat[j: j + m] for j in range(0, len(flat), m))]
-
-
-def path_ranks(node_tops: dict[str, list[list[int]]], nodes: list[int], emitted: list[int]
-               ) -> list[dict[str, int | None]]:
-    """Along an accepted path (`nodes`: the root, then the accepted nodes), the rank of the
-    target's draw after each node among each head's top tokens there (None: not among them),
-    for every node a pass ran from. The drafts along the path are the target's own tokens, so
-    the draft's hidden states there are the same whichever head drafted: each entry is what
-    either head would have been scored on."""
-    out = []
-    for node, drawn in zip(nodes, emitted):
-        tops = {h: per_node[node] for h, per_node in node_tops.items()}
-        if all(tops.values()):
-            out.append({h: top.index(drawn) if drawn in top else None for h, top in tops.items()})
-    return out

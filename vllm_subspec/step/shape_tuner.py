@@ -29,7 +29,8 @@ what a request outputs.
   verified; on a GPU with offloading verify rows are almost free and nothing is cut);
   and, when the draft holds two lm_heads (`draft_lm_head: "auto"`), which one drafts
   (`HeadComparison`: both heads scored in pairs on the same target draws at every node of
-  accepted paths, per width; the heads' costs per row measured at load).
+  accepted paths, per width; the heads' costs per row measured at load, the cheaper drafting
+  first).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ FULL_DEPTH_EVERY = 16  # every n-th step drafts past D_max: observations past th
 MAX_PROBE_EVERY = 512  # while plain decoding keeps winning, probe steps back off to this
 COMPARE_UNTIL = 64  # paired head observations (decayed) compared at every drafting step ...
 COMPARE_EVERY = 8  # ... then at one drafting step in this many
+COMPARED_REQUESTS = 4  # the first requests of a compared step score both heads (memory bound)
 HEAD_DECAY = 0.995  # per paired observation (several per step): the last ~200 nodes
 HEAD_SWITCH_GAIN = 1.02  # another head must be predicted this much faster: no flapping on noise
 
@@ -171,11 +173,12 @@ class WidthAcceptance:
 
 
 class HeadComparison:
-    """Acceptance of each of the draft's lm_heads at each width, measured in pairs: in a
-    compared step every draft pass ranks each row's top tokens by both heads, and once the
-    target has walked a tree, each node of its accepted path (the root included) is one
-    observation: the rank of the target's draw after that node among each head's tokens
-    (counted accepted at width w iff rank < w: the node's w best children). Along the
+    """Acceptance of each of the draft's lm_heads at each width, measured in pairs: a
+    compared step keeps the draft's hidden states of its first `COMPARED_REQUESTS` trees, and
+    once the target has walked a tree, each node of its accepted path (the root included) a
+    pass ran from is one observation: the rank of the target's draw after that node among
+    each head's top tokens there (counted accepted at width w iff rank < w: the node's w best
+    children); only those nodes go through the heads (`session.StepSession`). Along the
     accepted path the drafts are the target's own tokens, so the draft's hidden states there
     do not depend on which head drafted: both heads are scored on the same draws, and the
     head that does not draft is measured without drafting with it. The ratio of the two
@@ -519,6 +522,19 @@ class ShapeTuner:
     def observe_head_cost(self, head: str, rows: int, seconds: float) -> None:
         """The logits of `rows` rows through `head` took `seconds` (timed at load)."""
         self.costs.head[head].add(rows, seconds)
+
+    def start_with_cheaper_head(self, rows: int) -> None:
+        """Before the first step: draft with the lm_head whose logits over `rows` rows were
+        timed cheaper (`observe_head_cost`). Before any paired observation the heads' acceptance
+        is taken as equal, so the cheaper head is predicted faster; the comparison then decides
+        (`_choose_head`). On CPU the target's bf16 head is a large share of a draft pass; on a
+        GPU the difference is small and the comparison soon settles on the better acceptance."""
+        costs = self.costs.head
+        if len(self.heads) > 1 and all(h in costs and costs[h].known for h in self.heads):
+            self.head = min(self.heads, key=lambda h: (costs[h](rows), self.heads.index(h)))
+            logger.info("vllm-subspec: drafting with the %s lm_head first (its logits timed "
+                        "cheapest: %s)", self.head, ", ".join(
+                            f"{h} {1e3 * costs[h](rows):.2f} ms" for h in self.heads))
 
     def observe_other(self, seconds: float) -> None:
         self.other.add(0, max(seconds, 0.0))

@@ -144,9 +144,10 @@ class StoredTree:
     width: int = 1  # k: nodes per depth (1 for a chain)
     level_log_mass: list[float] = field(default_factory=list)  # TreeBatch.log_mass, per depth
     head: str | None = None  # the lm_head that drafted it
-    # a compared step's: lm_head -> per node, its top tokens after the node, best first
-    # (empty: no pass ran from the node); `shape_tuner.HeadComparison`
-    node_tops: dict[str, list[list[int]]] = field(default_factory=dict)
+    # a compared step's: [n, H] the draft's hidden state after each node, for the nodes of
+    # depth < hidden_depth (a pass ran from them); `shape_tuner.HeadComparison`
+    node_hidden: torch.Tensor | None = None
+    hidden_depth: int = 0
 
     def depths(self) -> list[int]:
         """Each node's depth (root 0); parents precede their children."""

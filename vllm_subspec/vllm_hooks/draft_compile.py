@@ -6,7 +6,8 @@ CPU inductor compiles it; on CUDA vLLM's backend splits it at the attention ops,
 eagerly (tree attention runs inside them), and compiles the pieces between. The substitutes are
 custom ops in it (`substitute.int4_cpu_linear`, GemLite's `forward_functional`). On CUDA the
 pieces are CUDA graphs per bucket of rows (the proposer's `initialize_cudagraph_keys`,
-`draft_bucket`).
+`draft_bucket`). Eager (`enforce_eager`) on CPU, the substituted layers' RMSNorms run vLLM's
+C++ kernels instead of its native forward (`model.cpu_fused_norms`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 from torch import nn
 from vllm.compilation.backends import set_model_tag
 from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CompilationMode
 
-from vllm_subspec.draft_model.model import DraftModel, SubstituteSet
+from vllm_subspec.draft_model.model import DraftModel, SubstituteSet, cpu_fused_norms
 
 # vLLM's draft-model proposer builds its model under "draft_model" (draft_model.py 0.32.0 :107):
 # a second model under the target's tag would share its compile cache folder
@@ -64,5 +66,8 @@ def draft_model(target: nn.Module, substitutes: SubstituteSet, device: torch.dev
     if isinstance(vllm_config.additional_config, dict):
         vllm_config.additional_config[STRUCTURE_KEY] = draft_structure(substitutes)
     with set_model_tag(DRAFT_MODEL_TAG):
-        return CompiledDraftModel(target=target, substitutes=substitutes, device=device,
-                                  vllm_config=vllm_config, prefix=DRAFT_MODEL_TAG)
+        model = CompiledDraftModel(target=target, substitutes=substitutes, device=device,
+                                   vllm_config=vllm_config, prefix=DRAFT_MODEL_TAG)
+    if device.type == "cpu" and vllm_config.compilation_config.mode == CompilationMode.NONE:
+        cpu_fused_norms([model.layers[i] for i in model.substituted])
+    return model

@@ -40,6 +40,7 @@ from vllm_subspec.step.node_constraints import chain_only_reason
 from vllm_subspec.step.paged_kv import logical_to_slots
 from vllm_subspec.step.draft import HostCopy, device_index
 from vllm_subspec.step.session import StepSession
+from vllm_subspec.step.shape_tuner import COMPARED_REQUESTS
 from vllm_subspec.step.tree import TreeShape, widest_level
 from vllm_subspec.vllm_hooks.draft_compile import draft_model
 from vllm_subspec.vllm_hooks.metrics import METRICS_DIR_ENV, StepMetricsFile
@@ -116,8 +117,9 @@ class SubSpecProposer(DraftModelProposer):
 
     def _time_heads(self, repeats: int = 3) -> None:
         """Each lm_head's logits timed at 1, k and 4k rows (k: the widest width), for the
-        tuner's choice between the draft's two heads (`ShapeTuner.observe_head_cost`); at
-        load, where waiting for the device costs nothing."""
+        tuner's choice between the draft's two heads (`ShapeTuner.observe_head_cost`; it
+        starts with the cheaper at k rows); at load, where waiting for the device costs
+        nothing."""
         tuner = self.session.tuner
         if tuner is None or len(tuner.heads) < 2:
             return
@@ -135,6 +137,7 @@ class SubSpecProposer(DraftModelProposer):
                     self.model.compute_logits(hidden, head)
                 wait()
                 tuner.observe_head_cost(head, rows, (time.perf_counter() - start) / repeats)
+        tuner.start_with_cheaper_head(k)
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
@@ -291,7 +294,11 @@ class SubSpecProposer(DraftModelProposer):
         * a tree verify: the target's logits at every node of max_num_seqs trees, held while
           one chunk of max_num_seqs rows (`verify.sample_then_match`) is copied to fp32 (the
           constraints' copy), scaled by a temperature and drawn by vLLM's own top-k/top-p
-          sampler. A chain is verified by vLLM's rejection sampler, as vLLM's drafters are.
+          sampler. A chain is verified by vLLM's rejection sampler, as vLLM's drafters are;
+        * with two lm_heads (an auto shape compares them), a compared step's hidden states of
+          every node of its first `COMPARED_REQUESTS` trees, kept from its passes through the
+          verify (`draft.TreeDraft.node_hidden`; the heads then rank chunks of max_num_seqs
+          rows, as the verify draws).
 
         What the attention rows of a tree pass need is not included: one Triton launch's
         small inputs on CUDA (step/tree_attention_triton.py); they read the KV cache, which
@@ -308,6 +315,10 @@ class SubSpecProposer(DraftModelProposer):
         vocab, rows = logits.shape[-1], self.verify_rows_bound()
         chunk = min(self.runner.max_num_reqs, rows)
         del hidden, logits
+        compared = min(COMPARED_REQUESTS, self.vllm_config.scheduler_config.max_num_seqs) \
+            if len(self.options.draft_heads) > 1 else 0
+        node_hidden = torch.empty(compared * (self.options.num_draft_tokens + 1), hidden_size,
+                                  dtype=dtype, device=self.device)  # noqa: F841 (held)
         verify_logits = torch.rand(rows, vocab, dtype=dtype, device=self.device)
         scaled = verify_logits[:chunk].float() / 0.5
         full = lambda value: torch.full((chunk,), value, device=self.device)  # noqa: E731
@@ -465,8 +476,8 @@ class VllmDraftPasses:
         self._root: torch.Tensor | None = None  # [B] L
         self.heads = proposer.options.draft_heads
         self.head = self.heads[0]  # the session sets each step's (`StepPlan.head`)
-        self.head_tops = 0  # the session sets it on a step that compares the heads
-        self._tops: dict[str, torch.Tensor] = {}
+        self.keep_hidden = False  # the session sets it on a step that compares the heads
+        self._hidden: torch.Tensor | None = None
         self._active: tuple[list[int] | None, torch.Tensor | None] = (None, None)
 
     def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -476,16 +487,18 @@ class VllmDraftPasses:
             self._root
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The pass's logits through the step's head; with head_tops, every head's top tokens
-        too, taken now (on CUDA `hidden` is a graph output the next pass overwrites)."""
-        logits = self.proposer.model.compute_logits(hidden, self.head)
-        if self.head_tops:
-            self._tops = {h: (logits if h == self.head else self.proposer.model.compute_logits(
-                hidden, h)).topk(self.head_tops, dim=-1).indices for h in self.heads}
-        return logits
+        """The pass's logits through the step's head; with keep_hidden, a copy of `hidden` too
+        (on CUDA it is a graph output the next pass overwrites)."""
+        if self.keep_hidden:
+            self._hidden = hidden.clone()
+        return self.proposer.model.compute_logits(hidden, self.head)
 
-    def last_tops(self) -> dict[str, torch.Tensor]:
-        return self._tops
+    def last_hidden(self) -> torch.Tensor:
+        return self._hidden
+
+    def rank_heads(self, hidden: torch.Tensor, top: int) -> dict[str, torch.Tensor]:
+        return {h: self.proposer.model.compute_logits(hidden, h).topk(top, dim=-1).indices
+                for h in self.heads}
 
     def root_bounds(self, roots: torch.Tensor) -> list[int]:
         """On CPU the roots themselves. On a device vLLM's host bound of the verified lengths

@@ -1,0 +1,78 @@
+"""The eager CPU draft's RMSNorms through vLLM's C++ kernels (`model.cpu_fused_norms`): vLLM's own
+RMSNorm modules, copied as `substitute_layer` copies them, against their native forward."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_subspec.draft_model.model import cpu_fused_norms
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def layer(hidden: int, dtype: torch.dtype, var_hidden_size: int | None = None) -> nn.Module:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    with set_current_vllm_config(VllmConfig()):
+        m = nn.Module()
+        m.input_layernorm = RMSNorm(hidden, eps=1e-6, dtype=dtype)
+        m.post_attention_layernorm = RMSNorm(hidden, eps=1e-6, var_hidden_size=var_hidden_size,
+                                             dtype=dtype)
+    with torch.no_grad():
+        for norm in (m.input_layernorm, m.post_attention_layernorm):
+            norm.weight.copy_(torch.randn(hidden, dtype=dtype))
+    return m
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 0.07), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_switched_norms_match_the_native_norm_in_one_kernel_call(dtype, atol, rows):
+    torch.manual_seed(rows)
+    target = layer(256, dtype)
+    draft = copy.deepcopy(target)  # the draft's own copy, as substitute_layer makes it
+    assert cpu_fused_norms([draft]) == 2
+    x, residual = torch.randn(rows, 256, dtype=dtype), torch.randn(rows, 256, dtype=dtype)
+    want, xc = target.input_layernorm(x.clone()), x.clone()
+    with CountOps() as counted:
+        got = draft.input_layernorm(xc)
+    assert torch.allclose(got.float(), want.float(), atol=atol, rtol=0)
+    assert counted.ops == ["aten.empty_like", "_C.rms_norm"]
+    want_out, want_res = target.input_layernorm(x.clone(), residual.clone())
+    xs, rs = x.clone(), residual.clone()
+    with CountOps() as counted:
+        got_out, got_res = draft.input_layernorm(xs, rs)
+    assert counted.ops == ["_C.fused_add_rms_norm"]
+    assert got_out is xs and got_res is rs  # in place, as vLLM's CUDA path calls it
+    assert torch.equal(got_res, want_res)  # the residual sum: exact
+    assert torch.allclose(got_out.float(), want_out.float(), atol=atol, rtol=0)
+    # the target's own norms still run vLLM's native forward (its IR op)
+    xs, rs = x.clone(), residual.clone()
+    with CountOps() as counted:
+        target.input_layernorm(xs, rs)
+    assert "vllm_ir.fused_add_rms_norm" in counted.ops
+    assert "_C.fused_add_rms_norm" not in counted.ops
+
+
+def test_norms_the_kernels_do_not_cover_keep_the_native_forward():
+    torch.manual_seed(0)
+    m = layer(256, torch.bfloat16, var_hidden_size=128)  # a variance over part of the row
+    assert cpu_fused_norms([m]) == 1  # only input_layernorm
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    native = m.post_attention_layernorm.forward_native(x.clone())
+    assert torch.equal(m.post_attention_layernorm(x.clone()), native)
+    # a strided input falls back to the native forward, with the same result
+    wide = torch.randn(4, 512, dtype=torch.bfloat16)[:, ::2]
+    assert not wide.is_contiguous()
+    assert torch.equal(m.input_layernorm(wide), m.input_layernorm.forward_native(wide))
