@@ -76,3 +76,16 @@ def test_norms_the_kernels_do_not_cover_keep_the_native_forward():
     wide = torch.randn(4, 512, dtype=torch.bfloat16)[:, ::2]
     assert not wide.is_contiguous()
     assert torch.equal(m.input_layernorm(wide), m.input_layernorm.forward_native(wide))
+    # so does a hidden size off the kernels' vector width (they raise on it), and a residual
+    # of another dtype
+    odd = layer(100, torch.bfloat16)
+    assert cpu_fused_norms([odd]) == 2
+    x, r = torch.randn(3, 100, dtype=torch.bfloat16), torch.randn(3, 100, dtype=torch.bfloat16)
+    assert torch.equal(odd.input_layernorm(x.clone()), odd.input_layernorm.forward_native(x))
+    got, want = odd.input_layernorm(x.clone(), r.clone()), \
+        odd.input_layernorm.forward_native(x.clone(), r.clone())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    got = m.input_layernorm(x.clone(), x.float())
+    want = m.input_layernorm.forward_native(x.clone(), x.float())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

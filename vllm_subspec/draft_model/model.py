@@ -381,8 +381,11 @@ def cpu_fused_norms(layers: list[nn.Module]) -> int:
 
 def _cpu_rms_norm(norm: nn.Module, weight: torch.Tensor, x: torch.Tensor,
                   residual: torch.Tensor | None = None):
-    if not x.is_contiguous() or weight.dtype != x.dtype or (
-            residual is not None and not residual.is_contiguous()):
+    # the kernels' limits (csrc/cpu/layernorm.cpp: contiguous rows, one dtype, the hidden size
+    # a multiple of their vector width: 8 or 16 elements); anything else: vLLM's own forward
+    if not x.is_contiguous() or weight.dtype != x.dtype or x.shape[-1] % 16 or (
+            residual is not None and (not residual.is_contiguous()
+                                      or residual.dtype != x.dtype)):
         return norm.forward_native(x, residual)
     if residual is None:
         out = torch.empty_like(x)

@@ -38,8 +38,8 @@ class DraftPasses(Protocol):
         """Each request's bonus token at p + 1 -> (logits [B, V], the roots' positions L [B])."""
 
     def last_hidden(self) -> torch.Tensor:
-        """With keep_hidden: [rows, H] the draft's final hidden states of the last pass's rows
-        (a copy: later passes leave it alone)."""
+        """With keep_hidden: [rows, H] the draft's final hidden states of the last pass's rows,
+        valid until the next pass (on CUDA a graph output it overwrites)."""
 
     def rank_heads(self, hidden: torch.Tensor, top: int) -> dict[str, torch.Tensor]:
         """lm_head -> [rows, top] the top tokens, best first, of each row of `hidden` ([rows, H],

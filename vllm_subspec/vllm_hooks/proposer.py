@@ -306,6 +306,11 @@ class SubSpecProposer(DraftModelProposer):
         k = max(self.options.widths)
         batch = min(self.vllm_config.scheduler_config.max_num_seqs,
                     max(1, self.max_num_tokens // k))
+        # held from a compared step's first pass through its verify
+        compared = min(COMPARED_REQUESTS, self.vllm_config.scheduler_config.max_num_seqs) \
+            if self.options.is_tree and len(self.options.draft_heads) > 1 else 0
+        node_hidden = torch.empty(compared * (self.options.num_draft_tokens + 1), hidden_size,
+                                  dtype=dtype, device=self.device)  # noqa: F841 (held)
         hidden = torch.rand(batch * k, hidden_size, dtype=dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         if k > 1:  # a chain's argmax adds nothing beyond its logits
@@ -315,10 +320,6 @@ class SubSpecProposer(DraftModelProposer):
         vocab, rows = logits.shape[-1], self.verify_rows_bound()
         chunk = min(self.runner.max_num_reqs, rows)
         del hidden, logits
-        compared = min(COMPARED_REQUESTS, self.vllm_config.scheduler_config.max_num_seqs) \
-            if len(self.options.draft_heads) > 1 else 0
-        node_hidden = torch.empty(compared * (self.options.num_draft_tokens + 1), hidden_size,
-                                  dtype=dtype, device=self.device)  # noqa: F841 (held)
         verify_logits = torch.rand(rows, vocab, dtype=dtype, device=self.device)
         scaled = verify_logits[:chunk].float() / 0.5
         full = lambda value: torch.full((chunk,), value, device=self.device)  # noqa: E731
@@ -487,10 +488,10 @@ class VllmDraftPasses:
             self._root
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The pass's logits through the step's head; with keep_hidden, a copy of `hidden` too
-        (on CUDA it is a graph output the next pass overwrites)."""
-        if self.keep_hidden:
-            self._hidden = hidden.clone()
+        """The pass's logits through the step's head; with keep_hidden, `hidden` is kept for
+        `last_hidden` (on CUDA a graph output the next pass overwrites: draft_tree copies the
+        rows it keeps before the next pass, in stream order)."""
+        self._hidden = hidden if self.keep_hidden else None
         return self.proposer.model.compute_logits(hidden, self.head)
 
     def last_hidden(self) -> torch.Tensor:
