@@ -57,12 +57,12 @@ def test_switched_norms_match_the_native_norm_in_one_kernel_call(dtype, atol, ro
     assert got_out is xs and got_res is rs  # in place, as vLLM's CUDA path calls it
     assert torch.equal(got_res, want_res)  # the residual sum: exact
     assert torch.allclose(got_out.float(), want_out.float(), atol=atol, rtol=0)
-    # the target's own norms still run vLLM's native forward (its IR op)
+    # the target's own norms still run vLLM's native forward (its IR op, or the ATen ops of
+    # its native implementation once an engine in this process has set the IR op priorities)
     xs, rs = x.clone(), residual.clone()
     with CountOps() as counted:
         target.input_layernorm(xs, rs)
-    assert "vllm_ir.fused_add_rms_norm" in counted.ops
-    assert "_C.fused_add_rms_norm" not in counted.ops
+    assert "_C.fused_add_rms_norm" not in counted.ops and len(counted.ops) > 1
 
 
 def test_norms_the_kernels_do_not_cover_keep_the_native_forward():
