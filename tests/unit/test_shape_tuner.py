@@ -417,6 +417,21 @@ def test_the_tuner_starts_with_the_head_timed_cheaper_at_load():
     untimed = ShapeTuner((1, 6), 8, auto_width=True, auto_depth=True, heads=heads)
     untimed.start_with_cheaper_head(6)
     assert untimed.head == "target"
+    # costs given before the first step (a projection's) choose the first head again: without
+    # head costs, in order; after a drafting step the comparison decides, not the costs
+    tuner.head = "quantized"
+    tuner.drafting_steps = 0
+    tuner.use_costs(StepCosts.measured((1, 6)))
+    assert tuner.head == "target"
+    timed = StepCosts.measured((1, 6), heads)
+    for head, seconds in (("target", 0.03), ("quantized", 0.007)):
+        timed.head[head].add(1, seconds)
+        timed.head[head].add(24, 24 * seconds)
+    tuner.use_costs(timed)
+    assert tuner.head == "quantized"
+    tuner.plan_step(1)  # drafts
+    tuner.use_costs(StepCosts.measured((1, 6)))
+    assert tuner.head == "quantized"
 
 
 def test_the_head_comparison_is_paired_and_scales_the_acceptance_per_width():

@@ -265,6 +265,7 @@ class ShapeTuner:
         self.head = heads[0] if heads else None
         self.heads_compared = HeadComparison(heads, widths)
         self.drafting_steps = 0  # steps that drafted: the comparison's schedule
+        self.start_rows = 0  # rows the first head was chosen at (`start_with_cheaper_head`)
         self.use_costs(costs or StepCosts.measured(widths, heads))
         self.calibration = MassCalibration()
         self.acceptance = {w: WidthAcceptance(max_depth) for w in widths}
@@ -280,8 +281,11 @@ class ShapeTuner:
         self.next_probe = 0
 
     def use_costs(self, costs: StepCosts) -> None:
-        """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark)."""
+        """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark);
+        before the first drafting step the first head is chosen again with them."""
         self.costs = costs
+        if self.start_rows and self.drafting_steps == 0:
+            self.start_with_cheaper_head(self.start_rows)
 
     @property
     def draft_pass(self) -> dict:
@@ -529,8 +533,13 @@ class ShapeTuner:
         is taken as equal, so the cheaper head is predicted faster; the comparison then decides
         (`_choose_head`). On CPU the target's bf16 head is a large share of a draft pass; on a
         GPU the difference is small and the comparison soon settles on the better acceptance."""
+        self.start_rows = rows
         costs = self.costs.head
-        if len(self.heads) > 1 and all(h in costs and costs[h].known for h in self.heads):
+        if len(self.heads) < 2:
+            return
+        if not all(h in costs and costs[h].known for h in self.heads):  # untimed: in order
+            self.head = self.heads[0]
+        else:
             self.head = min(self.heads, key=lambda h: (costs[h](rows), self.heads.index(h)))
             logger.info("vllm-subspec: drafting with the %s lm_head first (its logits timed "
                         "cheapest: %s)", self.head, ", ".join(
