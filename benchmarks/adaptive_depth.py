@@ -70,7 +70,7 @@ def run(model: str, spec: dict, costs: str | None, prompts, params, engine_kwarg
     passes = after["draft_passes"] - before["draft_passes"]
     # decode steps: the drafter is called once per step, also where it drafts nothing (then
     # vLLM counts no verify step: its τ is over the steps that drafted)
-    steps = after["draft_calls"] - before["draft_calls"]
+    steps = after["draft_steps"] - before["draft_steps"]
     emitted = r.num_tokens - len(prompts)  # the first token of each request comes from prefill
     return {"spec": spec, "costs": costs, "tau": r.stats.tau, "steps": steps,
             "drafting_steps": r.stats.num_drafts, "tokens_per_step": emitted / max(steps, 1),

@@ -102,11 +102,13 @@ def drafter_counters(worker):
     lm_head (a collective_rpc target)."""
     import dataclasses
 
-    session = worker.model_runner.drafter.session
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    session = subspec_of(worker).session
     tuner = session.tuner
     return {**dataclasses.asdict(session.stats),
             "shape": None if tuner is None else [tuner.width, tuner.depth],
-            "head": None if tuner is None else tuner.head}
+            "head": None if tuner is None else tuner.lm_head}
 
 
 def run_method(model: str, spec: dict | None, prompts: list[str], max_tokens: int,

@@ -7,7 +7,7 @@ random-token prompt (prefix caching prefills it once), greedy, `--max-tokens` ne
 worker's step statistics give the drafting time per pass (`StepStats.draft_seconds /
 draft_passes`: the forwards and the tree's bookkeeping between them). A second, short run per
 (context, B) counts the operators the draft passes dispatch, with a torch dispatch mode around
-the proposer's `propose`: every aten or custom operator called from Python, or from the
+the session's `propose`: every aten or custom operator called from Python, or from the
 compiled graph's wrapper (its extern kernels, custom ops); the kernels inductor generated and
 fused are not dispatched, so not counted, and an attention layer is one operator (vLLM's
 `unified_attention_with_output`, tree rows included). Writes
@@ -48,41 +48,45 @@ def parse_args():
 
 
 # ---- worker side (collective_rpc targets) ---------------------------------------------------
-def reset_stats(worker) -> None:
-    from vllm_subspec.step.session import StepStats
-
-    worker.model_runner.drafter.session.stats = StepStats()
+_COUNTING: dict = {}  # this worker process's operator count (`count_operators`)
 
 
 def count_operators(worker, on: bool) -> dict:
-    """Turn operator counting around the session's `propose` on (counts start at zero) or off;
-    returns the counts so far: {"passes": n, "ops": {name: calls}}."""
+    """Count the operators dispatched inside the step session's `propose` from now (on) or
+    stop (off); returns the counts so far: {"passes": draft passes, "ops": {name: calls}}.
+    A dispatch mode on the worker's thread counts the operators whose Python stack holds
+    `StepSession.propose` (nothing of SubSpec's is replaced)."""
+    import sys
+
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    drafter = worker.model_runner.drafter
-    session = drafter.session
-    state = session.__dict__.setdefault("_bench_ops", {"passes": 0, "ops": Counter()})
+    from vllm_subspec.step.session import StepSession
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    propose = StepSession.propose.__code__
+    stats = subspec_of(worker).session.stats
+
+    def drafting() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code is propose:
+                return True
+            frame = frame.f_back
+        return False
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            state["ops"][str(func.overloadpacket)] += 1
+            if drafting():
+                _COUNTING["ops"][str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))
 
-    if on and "propose" not in session.__dict__:
-        plain_propose = type(session).propose
-
-        def propose(passes, *args, **kwargs):
-            before = session.stats.draft_passes
-            with Count():
-                out = plain_propose(session, passes, *args, **kwargs)
-            state["passes"] += session.stats.draft_passes - before
-            return out
-
-        session.propose = propose
-        state.update(passes=0, ops=Counter())
-    elif not on:
-        session.__dict__.pop("propose", None)
-    return {"passes": state["passes"], "ops": dict(state["ops"])}
+    if on and "mode" not in _COUNTING:
+        _COUNTING.update(mode=Count(), ops=Counter(), passes=stats.draft_passes)
+        _COUNTING["mode"].__enter__()
+    elif not on and "mode" in _COUNTING:
+        _COUNTING.pop("mode").__exit__(None, None, None)
+        _COUNTING["passes"] = stats.draft_passes - _COUNTING["passes"]
+    return {"passes": _COUNTING["passes"], "ops": dict(_COUNTING["ops"])}
 
 
 # ---- driver ---------------------------------------------------------------------------------
@@ -112,11 +116,12 @@ def run_mode(model: str, mode: str, args) -> dict:
                                                     for _ in range(context)])
             llm.generate([prompt], short, use_tqdm=False)  # prefill once (prefix caching)
             for b in args.batches:
-                llm.collective_rpc(reset_stats)
+                before = llm.collective_rpc(step_stats)[0]
                 t = time.perf_counter()
                 llm.generate([prompt] * b, params, use_tqdm=False)
                 seconds = time.perf_counter() - t
-                stats = llm.collective_rpc(step_stats)[0]
+                after = llm.collective_rpc(step_stats)[0]
+                stats = {k: after[k] - before[k] for k in ("draft_passes", "draft_seconds")}
                 llm.collective_rpc(count_operators, args=(True,))
                 llm.generate([prompt] * b, short, use_tqdm=False)
                 ops = llm.collective_rpc(count_operators, args=(False,))[0]

@@ -81,6 +81,9 @@ def call_counts(events, names: tuple[str, ...]) -> dict[str, int]:
     return counts
 
 
+_CALL_PROFILE: dict = {}  # this worker process's profiler between the two calls below
+
+
 def start_call_profile(worker) -> None:
     """Start counting CUDA runtime calls in the worker (a collective_rpc target)."""
     import torch
@@ -88,22 +91,25 @@ def start_call_profile(worker) -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
     profiler = torch.profiler.profile(activities=activities)
     profiler.start()
-    stats = worker.model_runner.drafter.session.stats
-    worker.subspec_call_profile = (profiler, stats.draft_calls, stats.draft_passes,
-                                   stats.draft_seconds)
+    stats = subspec_of(worker).session.stats
+    _CALL_PROFILE["started"] = (profiler, stats.draft_steps, stats.draft_passes,
+                                stats.draft_seconds)
 
 
 def stop_call_profile(worker) -> dict:
     """Stop it: per drafting step, graph replays and host syncs, draft passes and seconds."""
-    profiler, calls, passes, seconds = worker.subspec_call_profile
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    profiler, calls, passes, seconds = _CALL_PROFILE.pop("started")
     profiler.stop()
-    del worker.subspec_call_profile
-    stats = worker.model_runner.drafter.session.stats
-    steps = max(stats.draft_calls - calls, 1)
+    stats = subspec_of(worker).session.stats
+    steps = max(stats.draft_steps - calls, 1)
     counts = call_counts(profiler.events(), GRAPH_REPLAY_CALLS + HOST_SYNC_CALLS)
-    return {"steps": stats.draft_calls - calls,
+    return {"steps": stats.draft_steps - calls,
             "graph_replays_per_step": sum(counts[n] for n in GRAPH_REPLAY_CALLS) / steps,
             "host_syncs_per_step": sum(counts[n] for n in HOST_SYNC_CALLS) / steps,
             "draft_passes_per_step": (stats.draft_passes - passes) / steps,

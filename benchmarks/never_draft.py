@@ -82,7 +82,7 @@ def main():
     finally:
         for llm in engines.values():
             shutdown_engine(llm)
-    proposals = after["draft_calls"] - before["draft_calls"]
+    proposals = after["draft_steps"] - before["draft_steps"]
     plain_steps = after["plain_steps"] - before["plain_steps"]
     report = {
         "command": "python -m benchmarks.never_draft " + " ".join(sys.argv[1:]),

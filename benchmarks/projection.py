@@ -74,13 +74,19 @@ class ProjectedCost:
 
 def give_gpu_costs(worker, draft_pass_s: float, verify_s: float) -> None:
     """A collective_rpc target: the SubSpec tuner of this worker decides with these costs (a
-    draft pass, a verify; the rest of a step free) instead of the ones it measures."""
+    draft pass, a verify; the rest of a step free) instead of the ones it measures. The two
+    lm_heads cost the same there (their difference is part of the pass), so the first drafts
+    until their paired acceptance decides."""
     from vllm_subspec.step.shape_tuner import StepCosts
+    from vllm_subspec.vllm_hooks.runner import subspec_of
 
-    tuner = worker.model_runner.drafter.session.tuner
+    tuner = subspec_of(worker).session.tuner
     tuner.use_costs(StepCosts({w: ProjectedCost(draft_pass_s) for w in tuner.draft_pass},
                               {w: ProjectedCost(verify_s) for w in tuner.verify},
                               ProjectedCost(0.0)))
+    if tuner.lm_heads is not None:
+        tuner.lm_heads.use_costs({h: ProjectedCost(0.0) for h in tuner.lm_heads.heads})
+        tuner.lm_heads.start_with_cheaper(1)
 
 
 def settings_grid(bandwidths_gbps=(25.0, 12.0, 50.0), memories_gb=(8.0, 12.0),

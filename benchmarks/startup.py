@@ -30,9 +30,10 @@ def _counts(worker):
 
     import psutil
 
-    from vllm_subspec.draft_model.model import SubstituteSet
+    from vllm_subspec.vllm_hooks.runner import SubSpecRunner
 
-    subs = SubstituteSet.of(worker.model_runner.get_model())  # not .model: CUDA graphs wrap it
+    runner = worker.model_runner  # a plain engine's too: no substitutes there
+    subs = runner.drafter.substitutes if isinstance(runner, SubSpecRunner) else None
     rss = psutil.Process(os.getpid()).memory_info().rss
     kv = sum(t.numel() * t.element_size() for t in worker.model_runner.kv_caches)
     if subs is None:

@@ -31,9 +31,12 @@ CUDA_ONLY = {
                                    "_pin_flash_attention", "check_final_config",
                                    "tree_cudagraph_mode"],
     "vllm_hooks/prefetch_overlap.py": ["_capturing", "_current_forward_context",
-                                       "PrefetchOverlap"],
-    "draft_model/substitute.py": ["GemliteKernel", "gemlite_warm_up_key", "gemlite_available"],
-    "draft_model/model.py": ["SubstituteSet.warm_up", "draft_row_counts"],
+                                       "OverlappingPrefetchOffloader"],
+    "vllm_hooks/runner.py": ["SubSpecGPUWorker"],
+    "draft_model/kernels.py": ["GemliteKernel", "gemlite_available"],
+    "draft_model/gemlite_tuning.py": ["gemlite_warm_up_key"],
+    "draft_model/substitute_set.py": ["SubstituteSet.warm_up"],
+    "draft_model/row_buckets.py": ["draft_row_counts", "capture_bucket"],
     "draft_model/layer_selection.py": ["offloaded_layer_indices", "_in_host_memory"],
     # engine code with CUDA-only branches (prefetch overlap, warm-up, stream sync): the CPU
     # unit tests do not start an engine, so these show what runs only inside one
@@ -48,17 +51,19 @@ CUDA_ONLY = {
 NOT_RUN_BECAUSE = {
     ("vllm_hooks/proposer.py", "SubSpecProposer.load_model"):
         "engine code: every CPU e2e test runs it (this pass runs unit tests only); its CUDA-only "
-        "calls cannot run on CPU: `PrefetchOverlap.from_offloader` returns None without vLLM's "
-        "prefetch offloader, and the GemLite warm-up call needs `device.type == 'cuda'` (what "
-        "both do is covered above: `PrefetchOverlap`, `SubstituteSet.warm_up`)",
+        "call cannot run on CPU: the GemLite warm-up needs `device.type == 'cuda'` (what it does "
+        "is covered above: `SubstituteSet.warm_up`)",
     ("vllm_hooks/proposer.py", "SubSpecProposer.propose"):
-        "engine code, as above; on CPU its `start_before_draft()` call (no prefetch offloader) "
-        "is skipped",
+        "engine code, as above; on CPU its `start_before_draft()` call (no prefetch offloader: "
+        "vLLM's refuses to start on CPU) is skipped",
     ("vllm_hooks/proposer.py", "VllmDraftPasses.copy_to_host"):
         "engine code, as above; called only on a device (a CPU step reads the masses at once)",
     ("step/draft.py", "HostCopy"):
         "pinned memory and a CUDA event: needs a CUDA device (the meta-device test stands in "
         "for it with `LandsLater`)",
+    ("vllm_hooks/runner.py", "SubSpecGPUWorker"):
+        "vLLM's GPU worker builds it in `Worker.init_device` on a CUDA device; the unit test "
+        "calls `_make_model_runner` with the runner class's construction stubbed out",
     ("vllm_hooks/proposer.py", "VllmDraftPasses.synchronize"):
         "engine code, as above; on CPU the compute-stream `synchronize()` is skipped (no CUDA "
         "tensors)",

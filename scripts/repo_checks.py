@@ -6,8 +6,8 @@ runs it too and tests each checker on snippets):
    paths derived from `__file__` (`.parent`, `.parents[i]`, `/ ".."`, `os.path.dirname`,
    `os.path.join(..., "..")`, names bound to such paths) and shell `$(dirname "$0")/..` chains
    are resolved symbolically and must stay inside the root;
-2. `model_runner.model`: never read it (under CUDA graphs it is vLLM's CUDAGraphWrapper, whose
-   __dict__ does not carry the substitutes; `get_model()` unwraps it);
+2. `model_runner.model`: never read it (under CUDA graphs it is vLLM's CUDAGraphWrapper, which
+   does not forward the model's attributes; `get_model()` unwraps it);
 3. layers: the package's folders import as docs/architecture.md draws them: `vllm_hooks/` is the
    only code that reaches into vLLM's runner, engine, drafters, attention backends or forward
    context; `step/` and `draft_model/` import neither `vllm_hooks/` nor each other, and from

@@ -30,22 +30,34 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "vllm_fingerprints.json"
 INVENTORY = ROOT / "docs" / "vllm_inventory.md"
 
-# "module:qualname". The first block is patches.py's `_wrap` targets; the rest are the symbols in
+# "module:qualname". The first blocks are what SubSpec wraps or overrides (patches.py's `_wrap`
+# targets, the methods its subclasses of vLLM's classes override); the rest are the symbols in
 # docs/gpu.md's "vLLM 0.33.0 vs 0.32.0" table (in its row order), including the functions that
-# hold the code regions the table cites by line.
+# hold the code regions the table cites.
 NAMES: tuple[str, ...] = (
     # patches.py: every _wrap(owner, attr) target
     "vllm.engine.arg_utils:EngineArgs.create_speculative_config",  # 1
     "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",  # 2
     "vllm.model_executor.model_loader.base_loader:process_weights_after_loading",  # 3 (utils')
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",  # 4
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",  # 5
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",  # 5
-    "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",  # 6 (CUDA)
-    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",  # 6 (CPU)
-    "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",  # 7
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",  # 8
-    "vllm.v1.engine.input_processor:InputProcessor._validate_params",  # 9
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",  # 4 (CUDA)
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",  # 4 (CPU)
+    "vllm.v1.engine.input_processor:InputProcessor._validate_params",  # 5
+    # runner.py, cpu_runner.py: SubSpec's model runners and workers
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model",
+    "vllm.v1.worker.gpu_worker:Worker._make_model_runner",
+    "vllm.v1.worker.gpu_worker:Worker.init_device",  # calls _make_model_runner
+    "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
+    # proposer.py, prefetch_overlap.py, draft_model/model.py: the other subclasses
+    "vllm.v1.spec_decode.draft_model:DraftModelProposer.__init__",
+    "vllm.model_executor.offloader.prefetch:PrefetchOffloader.__init__",
+    "vllm.model_executor.offloader.base:create_offloader",  # the settings SubSpec copies
+    "vllm.model_executor.layers.layernorm:RMSNorm.__init__",
+    "vllm.model_executor.layers.layernorm:RMSNorm.forward_native",
     # docs/gpu.md table
     "vllm.engine.arg_utils:EngineArgs.create_engine_config",  # calls patch 1 before the configs
     "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",  # calls patch 3
@@ -91,7 +103,7 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_cudagraph_keys",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.dummy_run",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
-    # TreeVerifier takes the rejection sampler's place for trees
+    # SampleMatchVerifier takes the rejection sampler's place
     "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
     # verify.draw_target_tokens draws as vLLM's Sampler does, through its TopKTopPSampler
     "vllm.v1.sample.sampler:Sampler.sample",
@@ -106,45 +118,49 @@ NAMES: tuple[str, ...] = (
 )
 
 # Every vLLM method whose code SubSpec replaces, or runs code in place of: (fingerprinted name,
-# how, by what). tests/unit/test_vllm_fingerprints.py checks that patches.py's `_wrap` targets,
-# PrefetchOverlap's per-instance replacements and SubSpecProposer's overrides are all here, and
-# that docs/vllm_inventory.md is this table rendered.
+# how, by what). tests/unit/test_vllm_fingerprints.py checks that patches.py's `_wrap` targets
+# and every method SubSpec's subclasses of vLLM's classes override are all here, and that
+# docs/vllm_inventory.md is this table rendered.
 _PATCH = "wrapped in place (vllm_hooks/patches.py"
+_RUNNER = "overridden by SubSpec's runner (vllm_hooks/runner.py)"
 REPLACED: tuple[tuple[str, str, str], ...] = (
     ("vllm.engine.arg_utils:EngineArgs.create_speculative_config", f"{_PATCH} #1)",
      "engine_rules.translate_speculative_config, apply_platform_rules"),
     ("vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features", f"{_PATCH} #2)",
      "adds SubSpec to the V1-runner-only features"),
     ("vllm.model_executor.model_loader.base_loader:process_weights_after_loading",
-     f"{_PATCH} #3)", "draft_model.model.attach_substitutes, then the original"),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__", f"{_PATCH} #4)",
-     "install.install_subspec after the original"),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs", f"{_PATCH} #5)",
-     "TreeVerifier.prepare_verify after the original"),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward", f"{_PATCH} #5)",
-     "the original inside TreeVerifier.verify_forward"),
-    ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward", f"{_PATCH} #6)",
+     f"{_PATCH} #3)", "a SubSpec runner's target: SubSpecRunner.target_weights_loaded around "
+     "the original"),
+    ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward", f"{_PATCH} #4)",
      "tree_attention.apply_tree_attention after the original (CPU)"),
-    ("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward", f"{_PATCH} #6)",
+    ("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward", f"{_PATCH} #4)",
      "tree_attention.apply_tree_attention after the original (CUDA)"),
-    ("vllm.v1.sample.rejection_sampler:expand_batch_to_tokens", f"{_PATCH} #7)",
-     "cpu_sampling_fix.expand_batch_to_tokens instead (CPU only)"),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
-     f"{_PATCH} #8)", "True whenever there is a batch (SubSpec trees: drafting stops per "
-     "request)"),
-    ("vllm.v1.engine.input_processor:InputProcessor._validate_params", f"{_PATCH} #9)",
+    ("vllm.v1.engine.input_processor:InputProcessor._validate_params", f"{_PATCH} #5)",
      "the original, then node_constraints.refusal (SubSpec engines)"),
-    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader._start_prefetch",
-     "replaced on the offloader instance (vllm_hooks/prefetch_overlap.py)",
-     "PrefetchOverlap._start_prefetch, calling the original"),
-    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader._wait_for_layer",
-     "replaced on the offloader instance (vllm_hooks/prefetch_overlap.py)",
-     "PrefetchOverlap._wait_for_layer, calling the original"),
-    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader.sync_prev_onload",
-     "replaced on the offloader instance (vllm_hooks/prefetch_overlap.py)",
-     "PrefetchOverlap._sync_prev_onload, calling the original"),
-    ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model",
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__", _RUNNER,
+     "the original, then the session, drafter, verifier and offloader"),
+    ("vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__", _RUNNER,
+     "the original, then the session, drafter, verifier and offloader (CPU)"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", _RUNNER,
+     "the original, its weight hook handing the target to this runner"),
+    ("vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model", _RUNNER,
+     "the original, its weight hook handing the target to this runner (CPU)"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs", _RUNNER,
+     "the original, then SampleMatchVerifier.prepare_verify"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward", _RUNNER,
+     "the original inside SampleMatchVerifier.verify_forward"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter", _RUNNER,
+     "True whenever there is a batch (trees stop per request); chains: the original"),
+    ("vllm.v1.worker.gpu_worker:Worker._make_model_runner",
+     "overridden by SubSpecGPUWorker (vllm_hooks/runner.py)", "SubSpecGPUModelRunner"),
+    ("vllm.v1.worker.cpu_worker:CPUWorker.init_device",
+     "overridden by SubSpecCPUWorker (vllm_hooks/cpu_runner.py)",
+     "the original with its module's CPUModelRunner bound to SubSpecCPUModelRunner"),
+    ("vllm.v1.spec_decode.draft_model:DraftModelProposer.__init__",
      "overridden (the runner's drafter is a SubSpecProposer, vllm_hooks/proposer.py)",
+     "the original, then the session and the offloader"),
+    ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model",
+     "overridden (vllm_hooks/proposer.py)",
      "SubSpecProposer.load_model: wraps the target, loads nothing"),
     ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
      "overridden (vllm_hooks/proposer.py)", "SubSpecProposer.propose -> StepSession.propose"),
@@ -153,10 +169,28 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_attn_backend",
      "overridden (vllm_hooks/proposer.py)", "the original, then a layout log line"),
     ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.initialize_cudagraph_keys",
-     "overridden (vllm_hooks/proposer.py)", "the original with CUDAGraphMode.NONE"),
+     "overridden (vllm_hooks/proposer.py)",
+     "the original with `draft_cudagraph_mode` (NONE without compiled pieces)"),
+    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader.__init__",
+     "overridden by OverlappingPrefetchOffloader (vllm_hooks/prefetch_overlap.py), which "
+     "SubSpec's runner sets in place of vLLM's", "the original, then its bookkeeping"),
+    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader._start_prefetch",
+     "overridden (vllm_hooks/prefetch_overlap.py)",
+     "the original, but not captured for the first slots' refills"),
+    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader._wait_for_layer",
+     "overridden (vllm_hooks/prefetch_overlap.py)", "eager refills first, then the original"),
+    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader.sync_prev_onload",
+     "overridden (vllm_hooks/prefetch_overlap.py)",
+     "skipped while drafting; refills at a graph forward's entry, then the original"),
+    ("vllm.model_executor.offloader.prefetch:PrefetchOffloader.post_init",
+     "overridden (vllm_hooks/prefetch_overlap.py)", "the original, then the slots' layers"),
+    ("vllm.model_executor.layers.layernorm:RMSNorm.forward_native",
+     "replaced in the draft's own copies of substituted layers, eager CPU only "
+     "(draft_model/model.py CpuFusedRMSNorm)",
+     "vLLM's C++ rms_norm / fused_add_rms_norm; the original where they do not apply"),
     ("vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
-     "the runner's rejection_sampler slot, every shape (vllm_hooks/install.py)",
-     "TreeVerifier.__call__ -> StepSession.sample_and_walk, compact"),
+     "the runner's rejection_sampler slot, every shape (vllm_hooks/runner.py)",
+     "SampleMatchVerifier.__call__ -> StepSession.sample_and_walk"),
 )
 
 

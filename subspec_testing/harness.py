@@ -94,8 +94,10 @@ class EngineRun:
 
 def _draft_timing(worker):
     """The step session's statistics (`StepStats`), a collective_rpc target."""
-    stats = worker.model_runner.drafter.session.stats
-    return stats.draft_seconds, stats.draft_calls, stats.draft_passes
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    stats = subspec_of(worker).session.stats
+    return stats.draft_seconds, stats.draft_steps, stats.draft_passes
 
 
 def run_engine(model: str, prompts, sampling_params, speculative_config=None,
@@ -158,7 +160,9 @@ def predict_plain_faster(worker) -> dict:
         def coefficients(self):
             return self.seconds, 0.0
 
-    tuner = worker.model_runner.drafter.session.tuner
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    tuner = subspec_of(worker).session.tuner
     tuner.use_costs(StepCosts({w: Fixed(1.0) for w in tuner.draft_pass},
                               {w: Fixed(1e-3) for w in tuner.verify}, Fixed(0.0)))
     return step_stats(worker)
@@ -168,20 +172,27 @@ def step_stats(worker) -> dict:
     """The SubSpec session's `StepStats` as a dict (a collective_rpc target)."""
     import dataclasses
 
-    return dataclasses.asdict(worker.model_runner.drafter.session.stats)
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    return dataclasses.asdict(subspec_of(worker).session.stats)
 
 
 def draft_compile_state(worker) -> dict:
     """How the worker's draft forward runs (a collective_rpc target): its class, whether vLLM's
     compile decorator compiles it (`do_not_compile`: eager) and has (`compiled`), and dynamo's
     graph-break count in the worker process (fullgraph compiles raise on a break instead), and
-    whether the draft's structure is in the config vLLM keys its compile artifacts on."""
+    whether the draft's structure is in the config vLLM keys its compile artifacts on (the draft's
+    own, not the engine's)."""
     from torch._dynamo.utils import counters
 
     from vllm_subspec.vllm_hooks.draft_compile import STRUCTURE_KEY
+    from vllm_subspec.vllm_hooks.runner import subspec_of
 
-    model = worker.model_runner.drafter.model
+    runner = subspec_of(worker)
+    model = runner.drafter.model
     return {"cls": type(model).__name__, "do_not_compile": model.do_not_compile,
             "compiled": getattr(model, "compiled", False),
             "graph_breaks": sum(counters["graph_break"].values()),
-            "structure_keyed": STRUCTURE_KEY in model.vllm_config.additional_config}
+            "structure_keyed": STRUCTURE_KEY in model.vllm_config.additional_config,
+            "engine_config_untouched":
+                STRUCTURE_KEY not in (runner.vllm_config.additional_config or {})}

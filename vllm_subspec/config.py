@@ -89,7 +89,7 @@ class SubSpecOptions:
     draft_lm_head: str = "auto"
     """The draft's output projection: "quantized" (its own bits/group_size copy of the target's
     lm_head: the largest matrix a draft pass reads), "target" (the target's own), or "auto"
-    (`draft_heads`: an auto shape's tuner picks per engine between the two from paired
+    (`draft_lm_heads`: an auto shape's tuner picks per engine between the two from paired
     measurements; a fixed shape drafts with the target's)."""
     cpu_draft_memory: float = 0.4
     """On vLLM's CPU backend, the most RAM the draft may add (substitutes, its lm_head, dense
@@ -107,11 +107,10 @@ class SubSpecOptions:
         return self.auto_width or self.auto_depth
 
     @property
-    def draft_heads(self) -> tuple[str, ...]:
-        """The lm_heads the draft holds. "auto": both where a tuner can choose (an auto shape:
-        `shape_tuner.HeadComparison`; it drafts first with the one timed cheaper at load, the
-        target's on a tie or untimed); else the target's, which never loses τ and was never
-        measured slower end to end (docs/results.md, the draft's lm_head)."""
+    def draft_lm_heads(self) -> tuple[str, ...]:
+        """The lm_heads the draft holds, the first drafting unless a tuner chooses. "auto":
+        both where a tuner can choose (an auto shape: `step/lm_head_choice.py`), else the
+        target's (it never loses τ; docs/results.md, the draft's lm_head)."""
         if self.draft_lm_head != AUTO:
             return (self.draft_lm_head,)
         return ("target", "quantized") if self.is_auto and self.is_tree else ("target",)
@@ -240,9 +239,6 @@ def _problems(raw: dict[str, Any]) -> list[str]:
         p.append(f"kernel must be one of {list(_KERNELS)}, got {kernel!r}")
     elif kernel in ("int4_cpu", "int4_cpu_dot") and bits != 4:
         p.append(f"kernel {kernel!r} needs bits=4, got bits={bits}")
-    elif kernel == "int4_cpu_dot" and not _cpu_has_int4_dot_flags():
-        p.append("kernel 'int4_cpu_dot' needs an x86 CPU with AVX512-BF16 (flags avx512f, "
-                 "avx512bw, avx512vl, avx512_bf16); 'int4_cpu' runs on any CPU")
     elif kernel == "gemlite" and bits != 4:
         p.append(f"kernel 'gemlite' is wired for bits=4 only, got bits={bits}")
     c = get("substitute_cache")
@@ -299,9 +295,3 @@ def options_from_vllm_config(vllm_config: Any) -> SubSpecOptions | None:
 @functools.lru_cache(maxsize=8)
 def _parse_resolved(raw_json: str) -> SubSpecOptions:
     return SubSpecOptions.from_dict(json.loads(raw_json))
-
-
-def _cpu_has_int4_dot_flags() -> bool:
-    from vllm_subspec.draft_model.int4_dot_cpu import cpu_has_flags  # torch: only when asked
-
-    return cpu_has_flags()

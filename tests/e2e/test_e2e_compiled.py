@@ -72,7 +72,8 @@ def run_compiled(smollm2, prompts, spec, sampled: bool):
             # the draft forward is compiled too (at start-up, in vLLM's warm-up), in one graph
             state = llm.collective_rpc(draft_compile_state)[0]
             assert state == {"cls": "CompiledDraftModel", "do_not_compile": False,
-                             "compiled": True, "graph_breaks": 0, "structure_keyed": True}, \
+                             "compiled": True, "graph_breaks": 0, "structure_keyed": True,
+                             "engine_config_untouched": True}, \
                 state
             outs = llm.generate(prompts, seeded(len(prompts)), use_tqdm=False) \
                 if sampled else []

@@ -1,11 +1,11 @@
 """Sampled (T > 0) requests are lossless: SubSpec's tokens follow the target's distribution.
 
 Tiny random Llama with a 64-token vocabulary, many seeded requests, SubSpec vs the plain engine,
-two-sample chi-square per generated position. fp32, so that seeded trees can be held to plain's
-exact samples (in bf16 vLLM's attention kernels differ between plain decoding and trees on AMX
-CPUs, and 6,000 draws meet a few rounding-level differences). Positions >= 1 come out of vLLM's rejection
-sampler; on vLLM 0.32's CPU backend they are wrong without the expand_batch_to_tokens fix
-(its unit tests: tests/unit/test_cpu_sampling_fix.py).
+two-sample chi-square per generated position. fp32, so that seeded requests can be held to
+plain's exact samples (in bf16 vLLM's attention kernels differ between plain decoding and trees
+on AMX CPUs, and 6,000 draws meet a few rounding-level differences). Every shape, a chain
+included, is verified by sample-then-match (the runner's rejection-sampler slot holds
+`SampleMatchVerifier`), so every emitted token is a draw of plain decoding's own.
 """
 
 from collections import Counter
@@ -49,13 +49,25 @@ def plain_samples(tiny_llama, plain_references):
     return {name: run.token_ids for name, run in runs.items()}
 
 
+def _verifier_class(worker) -> str:
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    return type(subspec_of(worker).rejection_sampler).__name__
+
+
 @pytest.fixture(scope="module", params=list(DRAFTERS))
 def samples(request, tiny_llama, plain_samples):
-    spec = make_llm(tiny_llama, DRAFTERS[request.param], skip_tokenizer_init=True,
-                    dtype="float32")
-    spec_samples = {name: sample(spec, s) for name, s in SETTINGS.items()}
-    stats = acceptance_stats(spec)
-    shutdown(spec)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
+        spec = make_llm(tiny_llama, DRAFTERS[request.param], skip_tokenizer_init=True,
+                        dtype="float32")
+        try:
+            # the documented verify of every shape: sample-then-match, not vLLM's sampler
+            assert spec.collective_rpc(_verifier_class) == ["SampleMatchVerifier"]
+            spec_samples = {name: sample(spec, s) for name, s in SETTINGS.items()}
+            stats = acceptance_stats(spec)
+        finally:
+            shutdown(spec)
     return plain_samples, spec_samples, stats
 
 
@@ -81,25 +93,26 @@ def test_sampled_tokens_follow_target_distribution(samples, name):
 
 
 def test_top_p_narrows_the_distribution(samples):
-    plain, _, _ = samples
+    """The prompts are ones where the feature changes plain's output, and SubSpec's samples
+    narrow with it too."""
+    plain, spec, _ = samples
     support = lambda runs: len({t[1] for t in runs})  # noqa: E731
     assert support(plain["top_p"]) < support(plain["temperature"])
+    assert support(spec["top_p"]) < support(spec["temperature"])
 
 
 def test_drafts_are_partly_accepted(samples):
-    # Both paths of the rejection sampler ran: some drafts accepted, some rejected.
+    # Both outcomes of the walk happened: some drafts accepted, some rejected.
     _, _, stats = samples
     assert stats.num_drafts > 0
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_seeded_tree_samples_are_plain_samples(samples, name, request):
-    # Trees draw each emitted token with the noise of plain decoding's draw at that position
-    # (verify.SeededDraws), so seeded requests give plain's own samples: fp32 logits differ from
-    # plain's by rounding only, which can flip a draw only at an exact near-tie.
-    if request.node.callspec.params["samples"] != "tree":
-        pytest.skip("chains are verified by vLLM's rejection sampler: equal in distribution only")
+def test_seeded_samples_are_plain_samples(samples, name):
+    # Trees and chains draw each emitted token with the noise of plain decoding's draw at that
+    # position (verify.SeededDraws), so seeded requests give plain's own samples: fp32 logits
+    # differ from plain's by rounding only, which can flip a draw only at an exact near-tie.
     plain, spec, _ = samples
     same = sum(a == b for a, b in zip(plain[name], spec[name]))
     assert same == N, f"{name}: {same}/{N} seeded requests equal plain's samples"

@@ -145,14 +145,15 @@ def _walk_gpu_start(worker) -> dict:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     from subspec_testing.live_bytes import LiveBytes
+    from vllm_subspec.vllm_hooks.runner import subspec_of
 
-    runner = worker.model_runner
+    runner = subspec_of(worker)
     drafter = runner.drafter
     ctx = runner.vllm_config.compilation_config.static_forward_context
     attn = {n: m for n, m in ctx.items() if isinstance(m, AttentionLayerBase)}
     calls, logits_rows, phase = [], [], ["profile"]
     dummy_run, compute_logits, verifier = drafter.dummy_run, drafter.model.compute_logits, \
-        runner.rejection_sampler  # the TreeVerifier
+        runner.rejection_sampler  # the SampleMatchVerifier
 
     def recorded_dummy_run(num_tokens, use_cudagraphs=True, is_graph_capturing=False,
                            slot_mappings=None):
@@ -199,7 +200,7 @@ def _walk_gpu_start(worker) -> dict:
                                            cudagraph_runtime_mode=CUDAGraphMode.NONE)
         runner._dummy_sampler_run(hidden_states=last_hidden)
         unchanged = all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
-    finally:  # back to the class methods and the runner's tree verifier
+    finally:  # back to the class methods and the runner's verifier
         del drafter.dummy_run, drafter.model.compute_logits, drafter.model.forward
         runner.rejection_sampler = verifier
     return {"drafter_calls": calls, "kv_unchanged_by_warm_ups": unchanged,
@@ -288,7 +289,9 @@ def _pad_draft_passes(worker, on: bool) -> None:
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-    drafter = worker.model_runner.drafter
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    drafter = subspec_of(worker).drafter
     if not on:
         drafter.cudagraph_dispatcher = drafter.saved_dispatcher
         del drafter.draft_bucket, drafter.saved_dispatcher
@@ -299,7 +302,7 @@ def _pad_draft_passes(worker, on: bool) -> None:
         splitting_ops=list(CompilationConfig._attention_ops))
     dispatcher = CudagraphDispatcher(SimpleNamespace(
         compilation_config=compilation, num_speculative_tokens=1, lora_config=None,
-        scheduler_config=worker.model_runner.scheduler_config))
+        scheduler_config=subspec_of(worker).scheduler_config))
     dispatcher.initialize_cudagraph_keys(CUDAGraphMode.PIECEWISE)
     drafter.saved_dispatcher, drafter.cudagraph_dispatcher = \
         drafter.cudagraph_dispatcher, dispatcher
@@ -330,7 +333,10 @@ def _capture_calls(worker) -> dict:
     import torch
     from vllm.forward_context import get_forward_context
 
-    runner, drafter = worker.model_runner, worker.model_runner.drafter
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    runner = subspec_of(worker)
+    drafter = runner.drafter
     before = [c.clone() for c in runner.kv_caches]
     seen = _record_draft_forwards(
         drafter, lambda: get_forward_context().cudagraph_runtime_mode.name)
@@ -346,7 +352,9 @@ def _capture_calls(worker) -> dict:
 
 
 def _draft_buckets_seen(worker) -> list:
-    return worker.model_runner.drafter.buckets_seen
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    return subspec_of(worker).drafter.buckets_seen
 
 
 def test_auto_pauses_drafting_losslessly(default_engine, prompts, plain):
@@ -365,7 +373,7 @@ def test_auto_pauses_drafting_losslessly(default_engine, prompts, plain):
         shutdown(llm)
     assert_identical(result.token_ids, plain[0].token_ids)
     plain_steps = after["plain_steps"] - before["plain_steps"]
-    drafting = after["draft_calls"] - before["draft_calls"] - plain_steps
+    drafting = after["draft_steps"] - before["draft_steps"] - plain_steps
     assert plain_steps > 3 * drafting > 0, (plain_steps, drafting)
 
 
@@ -392,8 +400,9 @@ def test_requests_drop_out_of_later_draft_passes_losslessly(smollm2, prompts, pl
 def _drop_one_request_per_depth(worker) -> None:
     from vllm_subspec.step.shape_tuner import StepPlan
     from vllm_subspec.step.tree import TreeShape
+    from vllm_subspec.vllm_hooks.runner import subspec_of
 
-    tuner = worker.model_runner.drafter.session.tuner
+    tuner = subspec_of(worker).session.tuner
     tuner.drop_outs_seen = {"passes_after_a_drop_out": 0}
 
     def drafting_next(log_mass, width, reached):
@@ -410,11 +419,15 @@ def _drop_one_request_per_depth(worker) -> None:
 
 
 def _drop_outs_seen(worker) -> dict:
-    return worker.model_runner.drafter.session.tuner.drop_outs_seen
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    return subspec_of(worker).session.tuner.drop_outs_seen
 
 
 def _tuner_state(worker) -> dict:
-    tuner = worker.model_runner.drafter.session.tuner
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    tuner = subspec_of(worker).session.tuner
     return {"verify_rows_seen": any(v.known for v in tuner.verify.values()),
             "draft_passes_seen": tuner.draft_pass[tuner.width].known,
             "widths_run": sorted(w for w, a in tuner.acceptance.items() if a.steps)}

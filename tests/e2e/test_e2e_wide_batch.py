@@ -26,11 +26,12 @@ SPEC = {"method": "subspec", "tree_width": 8, "tree_depth": 4, "substitute_layer
 
 
 def _step_stats(worker) -> dict:
-    from vllm_subspec.vllm_hooks.install import tree_verifier_of
+    from vllm_subspec.vllm_hooks.runner import subspec_of
 
-    stats = tree_verifier_of(worker.model_runner).session.stats
-    return {"draft_calls": stats.draft_calls, "draft_passes": stats.draft_passes,
-            "max_num_tokens": worker.model_runner.drafter.max_num_tokens}
+    runner = subspec_of(worker)
+    stats = runner.session.stats
+    return {"draft_steps": stats.draft_steps, "draft_passes": stats.draft_passes,
+            "max_num_tokens": runner.drafter.max_num_tokens}
 
 
 def test_480_concurrent_requests_with_a_2048_token_budget(tiny_llama, plain_references,
@@ -64,4 +65,4 @@ def test_480_concurrent_requests_with_a_2048_token_budget(tiny_llama, plain_refe
     # of all 480 (their prompts fit the budget) drafts 3,840 rows per level: each of its 3
     # levels takes 2 forwards of at most 256 requests; decode steps hold ~61 requests (33
     # tokens each in 2048) and are not split
-    assert stats["draft_passes"] - 4 * stats["draft_calls"] == 3, stats
+    assert stats["draft_passes"] - 4 * stats["draft_steps"] == 3, stats

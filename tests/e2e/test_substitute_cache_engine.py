@@ -7,9 +7,9 @@ pytestmark = pytest.mark.e2e
 
 
 def _substitute_counts(worker):
-    from vllm_subspec.draft_model.model import SubstituteSet
+    from vllm_subspec.vllm_hooks.runner import subspec_of
 
-    subs = SubstituteSet.of(worker.model_runner.get_model())  # not .model: CUDA graphs wrap it
+    subs = subspec_of(worker).drafter.substitutes
     return subs.built, subs.cache_hits, sum(len(d) for d in subs.layers.values())
 
 

@@ -55,13 +55,13 @@ def fp32_rescorer():
 
 
 def _layout(worker):
-    from vllm_subspec.draft_model.model import SubstituteSet, decoder_layers
     from vllm_subspec.draft_model.layer_selection import offloaded_layer_indices
+    from vllm_subspec.draft_model.model import decoder_layers
+    from vllm_subspec.vllm_hooks.runner import subspec_of
 
-    # get_model(): under CUDA graphs `model_runner.model` is a CUDAGraphWrapper
-    # (gpu_model_runner.py 0.32.0 ~5209), which does not carry the substitutes
+    # get_model(): under CUDA graphs `model_runner.model` is vLLM's CUDAGraphWrapper
     model = worker.model_runner.get_model()
-    subs = SubstituteSet.of(model)
+    subs = subspec_of(worker).drafter.substitutes
     tensors = [t for layer in subs.layers.values() for s in layer.values() for t in s.tensors()]
     from vllm.model_executor.offloader.base import get_offloader
 
@@ -97,7 +97,8 @@ def _generate(prompts, spec, offload, enforce_eager):
 
 
 def test_gemlite_substitute_matches_reference():
-    from vllm_subspec.draft_model.substitute import GemliteKernel, ReferenceKernel, choose_kernel, quantize
+    from vllm_subspec.draft_model.kernels import GemliteKernel, ReferenceKernel, choose_kernel
+    from vllm_subspec.draft_model.quantize import quantize
 
     torch.manual_seed(0)
     w = (torch.randn(1536, 576, device="cuda") * 0.05).to(torch.float16)

@@ -37,6 +37,8 @@ def test_tree_engine_config_on_cuda(monkeypatch, tiny_llama):
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     assert cfg.compilation_config.is_attention_compiled_piecewise()
     assert cfg.speculative_config.method == "draft_model"
+    # vLLM builds SubSpec's runner through SubSpec's worker (vllm_hooks/runner.py)
+    assert cfg.parallel_config.worker_cls == "vllm_subspec.vllm_hooks.runner.SubSpecGPUWorker"
     check_final_config(cfg, options_from_vllm_config(cfg), fake)  # accepted in the worker
 
 
@@ -125,6 +127,34 @@ def test_cpu_platform_is_untouched(tiny_llama):
     cfg = EngineArgs(model=tiny_llama, speculative_config=dict(TREE), max_model_len=512) \
         .create_engine_config()
     assert cfg.attention_config.backend is None  # the CPU backend; no offload needed
+    assert cfg.parallel_config.worker_cls == \
+        "vllm_subspec.vllm_hooks.cpu_runner.SubSpecCPUWorker"
+
+
+@pytest.mark.parametrize("platform, kernel", [("cpu", "gemlite"), ("cuda", "int4_cpu"),
+                                              ("cuda", "int4_cpu_dot")])
+def test_a_kernel_of_the_other_platform_is_refused_before_the_engine_starts(
+        monkeypatch, tiny_llama, platform, kernel):
+    spec = {**TREE, "kernel": kernel}
+    with pytest.raises(SubSpecConfigError, match=f"kernel '{kernel}' runs on"):
+        if platform == "cuda":
+            cuda_config(monkeypatch, tiny_llama, spec, **OFFLOAD)
+        else:
+            EngineArgs(model=tiny_llama, speculative_config=spec, max_model_len=512) \
+                .create_engine_config()
+
+
+def test_micro_batching_is_refused_for_trees(monkeypatch, tiny_llama):
+    """A tree plan is active in the thread running the forward; micro-batching runs forwards
+    in threads of its own."""
+    with pytest.raises(SubSpecConfigError, match="does not support micro-batching"):
+        cuda_config(monkeypatch, tiny_llama, TREE, enable_dbo=True, **OFFLOAD)
+
+
+def test_a_user_worker_class_is_refused(tiny_llama):
+    with pytest.raises(SubSpecConfigError, match="cannot be combined with SubSpec"):
+        EngineArgs(model=tiny_llama, speculative_config=dict(TREE), max_model_len=512,
+                   worker_cls="vllm.v1.worker.cpu_worker.CPUWorker").create_engine_config()
 
 
 def test_backend_per_kind_is_refused_for_trees(monkeypatch, tiny_llama):

@@ -25,7 +25,7 @@ GEMLITE = "gemlite-0.6.0.post2"
 N, K, GROUP = 1536, 576, 64
 FAMILY = {1: "GEMV_REVSPLITK", 6: "GEMM_SPLITK", 60: "GEMM_SPLITK", 300: "GEMM"}
 # Measured (1536x576, HQQ, these seeds): fp16 5.2e-4..8.5e-4, bf16 4.5e-3..4.9e-3. bf16 is ~6x
-# worse because GemLite keeps scales and the fma offset -z*s in bf16 (substitute.py,
+# worse because GemLite keeps scales and the fma offset -z*s in bf16 (kernels.py,
 # GemliteKernel); the reference dequantizes in fp32. Bounds: ~1.7x the largest measurement.
 MAX_REL_ERR = {"torch.float16": 1.5e-3, "torch.bfloat16": 8e-3}
 
@@ -170,7 +170,7 @@ def test_gemlite_substitute_traces_into_one_graph_without_a_break(probe):
 
 def test_gemlite_autotuning_is_kept_across_starts(probe):
     """With gemlite's default autotuning, a first start benchmarks several configs for an untuned
-    shape and keeps the winners (`substitute.gemlite_autotune_kept`); a second start, from fresh
+    shape and keeps the winners (`gemlite_tuning.gemlite_autotune_kept`); a second start, from fresh
     kernel modules, benchmarks none and computes the same output."""
     kept = probe["autotune_kept"]
     first, second = kept["benchmarked"]

@@ -45,7 +45,7 @@ from vllm_subspec.step import tree_attention, tree_attention_triton  # noqa: E40
 from vllm_subspec.step.tree import TreeBatch, TreeShape  # noqa: E402
 from vllm_subspec.step.paged_kv import layout_for, logical_to_slots, move_kv  # noqa: E402
 from vllm_subspec.step.tree_attention import (  # noqa: E402
-    TreeMask, TreePlan, TreeRows, tree_attention_rows)
+    TreePlan, TreeRows, tree_attention_rows, tree_plan)
 
 BLOCK, KV_HEADS, HEADS, D, NUM_BLOCKS = 16, 2, 4, 64, 12
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -134,11 +134,9 @@ def probe(layout: KVCacheLayout) -> dict:
     query = torch.cat([torch.randn(5, HEADS, D, dtype=torch.bfloat16), q])  # req 0 rows first
     output = torch.full((query.shape[0], HEADS * D), 7.0, dtype=torch.bfloat16)
     metadata = types.SimpleNamespace(block_table=block_table)
-    tree_mask = TreeMask()
-    tree_mask.attach(impl)
     tree_attention.apply_tree_attention(impl, None, query, kv1, metadata, output)  # no plan
     result["hook_without_plan_untouched"] = bool((output == 7.0).all())
-    with tree_mask.active(TreePlan([TreeRows(1, 5, prefix, mask)])):
+    with tree_plan(TreePlan([TreeRows(1, 5, prefix, mask)])):
         tree_attention.apply_tree_attention(impl, None, query, kv1, metadata, output)
     result["hook_rows_exact"] = bool(torch.equal(output[5:].view(m, HEADS, D), out))
     result["hook_other_rows_untouched"] = bool((output[:5] == 7.0).all())
@@ -169,7 +167,7 @@ def probe(layout: KVCacheLayout) -> dict:
         query = torch.randn(30, HEADS, D, dtype=torch.bfloat16)
         output = torch.full((30, HEADS * D), 7.0, dtype=torch.bfloat16)
         launches.clear()
-        with tree_mask.active(TreePlan(reqs)):
+        with tree_plan(TreePlan(reqs)):
             tree_attention.apply_tree_attention(impl, None, query, kv1, metadata, output)
         result[f"{name}_launches"] = len(launches)
         rows_out = output.view(30, HEADS, D)

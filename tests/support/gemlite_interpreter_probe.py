@@ -23,13 +23,11 @@ from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.autotuner import Heuristics  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
-from vllm_subspec.draft_model.model import SubstituteSet, draft_row_counts  # noqa: E402
-from vllm_subspec.draft_model.substitute import (  # noqa: E402
-    GemliteKernel,
-    ReferenceKernel,
-    SubstituteLinear,
-    quantize,
-)
+from vllm_subspec.draft_model.kernels import GemliteKernel, ReferenceKernel  # noqa: E402
+from vllm_subspec.draft_model.quantize import quantize  # noqa: E402
+from vllm_subspec.draft_model.row_buckets import draft_row_counts  # noqa: E402
+from vllm_subspec.draft_model.substitute import SubstituteLinear  # noqa: E402
+from vllm_subspec.draft_model.substitute_set import SubstituteSet  # noqa: E402
 
 N, K, GROUP = 1536, 576, 64
 # each family's kernel module, taken before record_families() wraps the forwards
@@ -220,7 +218,7 @@ def autotune_kept_results(qw, folder: str) -> dict:
 
     from triton.runtime import driver
 
-    from vllm_subspec.draft_model.substitute import gemlite_autotune_kept
+    from vllm_subspec.draft_model.gemlite_tuning import gemlite_autotune_kept
 
     benched = []
     fake = driver.active

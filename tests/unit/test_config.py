@@ -58,7 +58,7 @@ def test_chain_shorthand():
 ])
 def test_the_draft_holds_the_heads_a_tuner_can_choose_between(raw, heads):
     opts = SubSpecOptions.from_dict(raw)
-    assert opts.draft_heads == heads
+    assert opts.draft_lm_heads == heads
     assert SubSpecOptions.from_dict(json.loads(json.dumps(opts.to_dict()))) == opts
 
 

@@ -1,37 +1,43 @@
-"""Which draft forwards CUDA would capture: `SubSpecProposer.initialize_cudagraph_keys` through
-vLLM's own base-class rule and `CudagraphDispatcher`, for the modes a CUDA runner hands it
-(`gpu_model_runner._check_and_update_cudagraph_mode` calls it with the resolved mode). The
-forwards themselves run padded on a CPU engine in tests/e2e/test_e2e_tree.py."""
+"""Which draft forwards CUDA would capture and replay, and how many rows they pad to: the
+proposer's pure rules (`draft_cudagraph_mode`, `replay_or_eager`, `row_buckets`) over vLLM's
+own `CudagraphDispatcher`, for the modes a CUDA runner hands the drafter. The forwards
+themselves run padded on a CPU engine in tests/e2e/test_e2e_tree.py."""
 
 from types import SimpleNamespace
 
 import pytest
-import torch
 from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-from vllm_subspec.vllm_hooks.proposer import SubSpecProposer
+from vllm_subspec.draft_model import row_buckets
+from vllm_subspec.vllm_hooks.proposer import draft_cudagraph_mode, replay_or_eager
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
 
 
-def proposer(mode: CompilationMode, cudagraph_mode: CUDAGraphMode, spec_eager=False):
-    """A proposer with only what the key rule reads: vLLM's config pieces and a real
-    dispatcher over a config with these capture sizes."""
+def dispatcher(mode: CompilationMode, runner_mode: CUDAGraphMode, breakable=False,
+               spec_eager=False):
+    """vLLM's dispatcher with the keys vLLM's own drafter rule
+    (`SpecDecodeBaseProposer.initialize_cudagraph_keys`, run on a stand-in holding only what it
+    reads) makes for the mode `draft_cudagraph_mode` hands it."""
     compilation = CompilationConfig(
-        mode=mode, cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=SIZES,
+        mode=mode, cudagraph_mode=runner_mode, cudagraph_capture_sizes=SIZES,
         max_cudagraph_capture_size=SIZES[-1],
         splitting_ops=list(CompilationConfig._attention_ops))
     config = SimpleNamespace(compilation_config=compilation, num_speculative_tokens=1,
                              lora_config=None, scheduler_config=SimpleNamespace(max_num_seqs=8))
-    p = object.__new__(SubSpecProposer)
-    p.vllm_config = config
-    p.speculative_config = SimpleNamespace(enforce_eager=spec_eager)
-    p.cudagraph_dispatcher = CudagraphDispatcher(config)
-    p.device = torch.device("cpu")  # the CUDA guards are tested apart
-    p.captured_buckets = set()
-    p.runner = SimpleNamespace(num_prompt_logprobs={})
-    return p
+    d = CudagraphDispatcher(config)
+    keyed = draft_cudagraph_mode(compilation, runner_mode, breakable)
+    SpecDecodeBaseProposer.initialize_cudagraph_keys(SimpleNamespace(
+        speculative_config=SimpleNamespace(enforce_eager=spec_eager), cudagraph_dispatcher=d),
+        keyed)
+    return d, keyed
+
+
+def dispatch(d, rows, graphs=True):
+    mode, batch = d.dispatch(rows, valid_modes=None if graphs else {CUDAGraphMode.NONE})
+    return mode, batch.num_tokens
 
 
 @pytest.mark.parametrize("runner_mode", [CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE])
@@ -39,13 +45,13 @@ def test_a_compiled_draft_pads_to_capture_sizes(runner_mode):
     """Compile mode, the runner capturing piecewise graphs (trees are pinned to PIECEWISE;
     chains keep vLLM's FULL_AND_PIECEWISE): PIECEWISE buckets at the capture sizes, eager
     past the largest."""
-    p = proposer(CompilationMode.VLLM_COMPILE, runner_mode)
-    p.initialize_cudagraph_keys(runner_mode)
-    assert p.draft_bucket(1) == (CUDAGraphMode.PIECEWISE, 1)
-    assert p.draft_bucket(6) == (CUDAGraphMode.PIECEWISE, 8)   # a 6-wide level of one request
-    assert p.draft_bucket(36) == (CUDAGraphMode.PIECEWISE, 40)
-    assert p.draft_bucket(65) == (CUDAGraphMode.NONE, 65)
-    assert p.draft_bucket(6, use_cudagraphs=False) == (CUDAGraphMode.NONE, 6)
+    d, keyed = dispatcher(CompilationMode.VLLM_COMPILE, runner_mode)
+    assert keyed == runner_mode
+    assert dispatch(d, 1) == (CUDAGraphMode.PIECEWISE, 1)
+    assert dispatch(d, 6) == (CUDAGraphMode.PIECEWISE, 8)   # a 6-wide level of one request
+    assert dispatch(d, 36) == (CUDAGraphMode.PIECEWISE, 40)
+    assert dispatch(d, 65) == (CUDAGraphMode.NONE, 65)
+    assert dispatch(d, 6, graphs=False) == (CUDAGraphMode.NONE, 6)
 
 
 @pytest.mark.parametrize("mode, runner_mode, spec_eager, breakable", [
@@ -55,49 +61,47 @@ def test_a_compiled_draft_pads_to_capture_sizes(runner_mode):
     (CompilationMode.VLLM_COMPILE, CUDAGraphMode.PIECEWISE, True, False),  # speculative eager
     (CompilationMode.VLLM_COMPILE, CUDAGraphMode.PIECEWISE, False, True),  # breakable graphs
 ])
-def test_no_buckets_without_compiled_pieces(mode, runner_mode, spec_eager, breakable,
-                                            monkeypatch):
-    import vllm.envs
-
-    monkeypatch.setattr(vllm.envs, "VLLM_USE_BREAKABLE_CUDAGRAPH", breakable, raising=False)
-    p = proposer(mode, CUDAGraphMode.NONE if mode == CompilationMode.NONE else runner_mode,
-                 spec_eager)
-    p.initialize_cudagraph_keys(runner_mode)
-    assert p.draft_bucket(6) == (CUDAGraphMode.NONE, 6)
-    assert p.draft_bucket(1) == (CUDAGraphMode.NONE, 1)
+def test_no_buckets_without_compiled_pieces(mode, runner_mode, spec_eager, breakable):
+    d, _ = dispatcher(mode, CUDAGraphMode.NONE if mode == CompilationMode.NONE else runner_mode,
+                      breakable, spec_eager)
+    assert dispatch(d, 6) == (CUDAGraphMode.NONE, 6)
+    assert dispatch(d, 1) == (CUDAGraphMode.NONE, 1)
 
 
 def test_on_cuda_only_captured_buckets_replay_and_never_with_prompt_logprobs():
     """A bucket the capture phase did not capture runs eagerly (capturing on a miss outside
     that phase raises in vLLM), and so does every pass of a step whose batch asks for prompt
-    logprobs (computed from the target's hidden states after drafting; a replay may write over
-    them in the shared graph pool)."""
-    p = proposer(CompilationMode.VLLM_COMPILE, CUDAGraphMode.PIECEWISE)
-    p.initialize_cudagraph_keys(CUDAGraphMode.PIECEWISE)
-    p.device = torch.device("cuda")  # a device object only: nothing runs on it
-    p.captured_buckets = {8, 16}
-    assert p.draft_bucket(6) == (CUDAGraphMode.PIECEWISE, 8)
-    assert p.draft_bucket(12) == (CUDAGraphMode.PIECEWISE, 16)
-    assert p.draft_bucket(20) == (CUDAGraphMode.NONE, 20)  # bucket 24: not captured
-    p.runner.num_prompt_logprobs = {"req-1": 5}
-    assert p.draft_bucket(6) == (CUDAGraphMode.NONE, 6)
+    logprobs; on CPU the dispatcher's answer stands."""
+    piecewise = CUDAGraphMode.PIECEWISE
+    captured = {8, 16}
+    assert replay_or_eager(piecewise, 8, 6, True, captured, False) == (piecewise, 8)
+    assert replay_or_eager(piecewise, 16, 12, True, captured, False) == (piecewise, 16)
+    assert replay_or_eager(piecewise, 24, 20, True, captured, False) == (CUDAGraphMode.NONE, 20)
+    assert replay_or_eager(piecewise, 8, 6, True, captured, True) == (CUDAGraphMode.NONE, 6)
+    assert replay_or_eager(piecewise, 24, 20, False, set(), True) == (piecewise, 24)
+    assert replay_or_eager(CUDAGraphMode.NONE, 20, 20, True, set(), False) == \
+        (CUDAGraphMode.NONE, 20)
 
 
-@pytest.mark.parametrize("widths, seqs, tokens, bound", [
-    ((6,), 8, 8192, 48),
-    ((1,), 8, 8192, 8),            # a chain: one row per request
-    ((1, 2, 4, 6), 32, 100, 100),  # a k=4 level of 25 requests fills 100 rows; k=6 only 96
-    ((1, 2, 4, 6), 256, 100, 100),  # a bonus pass: min(max_num_seqs, max_num_batched_tokens)
-    ((6,), 4, 5, 6),               # a level wider than a forward: one request's whole level
+@pytest.mark.parametrize("widths, seqs, rows, bound, warm_up", [
+    ((6,), 8, 8192, 48, 48),
+    ((1,), 8, 8192, 8, 8),              # a chain: one row per request
+    ((1, 2, 4, 6), 32, 100, 100, 100),  # a k=4 level of 25 requests fills 100 rows; k=6 only 96
+    ((1, 2, 4, 6), 256, 100, 100, 100),  # a bonus pass: min(max_num_seqs, max rows)
+    ((6,), 4, 5, 6, 5),                 # a level wider than a forward: one request's whole level
+    ((6,), 3, 8192, 18, 24),            # padded to the next capture size
+    ((1,), 1, 8192, 1, 2),              # never one row: a size-1 dimension is specialized
 ])
-def test_the_draft_rows_bound_covers_every_width_and_the_bonus_pass(widths, seqs, tokens,
-                                                                    bound):
-    p = proposer(CompilationMode.VLLM_COMPILE, CUDAGraphMode.PIECEWISE)
-    p.vllm_config.scheduler_config.max_num_seqs = seqs
-    p.max_num_tokens = tokens
-    p.options = SimpleNamespace(widths=widths)
-    assert p.draft_rows_bound() == bound
-    # the warm-up forwards: the bound padded to a capture size, at least 2 rows, within the
-    # runner's buffers
-    assert p.warm_up_rows() == min(max(2, next((c for c in SIZES if c >= bound), bound)),
-                                   tokens)
+def test_the_draft_rows_bound_covers_every_width_and_the_bonus_pass(widths, seqs, rows, bound,
+                                                                    warm_up):
+    assert row_buckets.draft_rows_bound(seqs, rows, widths) == bound
+    assert row_buckets.warm_up_rows(bound, SIZES, rows) == warm_up
+
+
+def test_draft_row_counts_include_every_width_and_their_buckets():
+    counts = row_buckets.draft_row_counts(3, (1, 6), capture_sizes=(4, 8, 16, 24))
+    assert counts == [1, 2, 3, 4, 6, 8, 12, 16, 18, 24]
+    assert row_buckets.capture_bucket(17, (4, 8, 16, 24)) == 24
+    assert row_buckets.capture_bucket(30, (4, 8, 16, 24)) == 30
+    assert row_buckets.verify_rows_bound(8192, 4, 6 * 48) == 4 * 289
+    assert row_buckets.verify_rows_bound(1000, 4, 6 * 48) == 1000

@@ -18,51 +18,48 @@ from torch.utils._pytree import tree_flatten
 
 from vllm_subspec.step.draft import draft_chain, draft_tree
 from vllm_subspec.step.tree import TreeShape
-from vllm_subspec.step.tree_attention import TreeMask
+from vllm_subspec.step.tree_attention import active_tree_plan
 
 VOCAB = 50
 META = torch.device("meta")
 
 
 class MetaPasses:
-    """`DraftPasses` on the meta device: logits without values, roots known to the host only
-    through their bounds (as vLLM's `seq_lens_cpu_upper_bound`)."""
+    """`DraftPasses` on the meta device: hidden states and logits without values, roots known
+    to the host only through their bounds (as vLLM's `seq_lens_cpu_upper_bound`)."""
 
     on_device = True
-    keep_hidden = False
 
-    def __init__(self, bounds: list[int], mask: TreeMask, max_model_len: int = 1000,
-                 max_rows: int = 1000):
+    def __init__(self, bounds: list[int], max_model_len: int = 1000, max_rows: int = 1000):
         self.bounds = bounds
         self.batch_size = len(bounds)
         self.max_model_len = max_model_len
         self.max_rows = max_rows
-        self.mask = mask
         self.roots_seen = []  # each level pass's tree-row prefix lengths
         self.copies = []  # depths of the frontier masses copied to the host
         self.polls_to_land = 1
 
-    def _logits(self, rows: int) -> torch.Tensor:
-        self.hidden = torch.empty(rows, 16, device=META) if self.keep_hidden else None
-        return torch.empty(rows, VOCAB, device=META)
+    @staticmethod
+    def _hidden(rows: int) -> torch.Tensor:
+        return torch.empty(rows, 16, device=META)
 
-    def last_hidden(self):
-        return self.hidden
+    def logits(self, hidden, lm_head):
+        return torch.empty(hidden.shape[0], VOCAB, device=META)
 
     def bonus_pass(self, next_token_ids):
-        return self._logits(self.batch_size), torch.empty(self.batch_size, dtype=torch.int64,
+        return self._hidden(self.batch_size), torch.empty(self.batch_size, dtype=torch.int64,
                                                           device=META)
 
     def root_bounds(self, roots):
         return list(self.bounds)
 
     def chain_pass(self, index, input_ids):
-        return self._logits(input_ids.shape[0])
+        return self._hidden(input_ids.shape[0])
 
     def level_pass(self, depth, width, tokens, active):
-        plan = self.mask.plan
+        plan = active_tree_plan()
         self.roots_seen.append([r.prefix_len for r in plan.rows] if plan else None)
-        return self._logits(tokens.shape[0])
+        return self._hidden(tokens.shape[0])
 
     def copy_to_host(self, tensor):
         self.copies.append(tensor.shape[1] - 1)  # the depth of the masses copied
@@ -137,14 +134,11 @@ def test_a_tree_step_reads_nothing_from_the_device_inside_its_passes(case, kept)
     forward (one index tensor per group). kept: a compared step's hidden states of the first
     requests (`keep_hidden`), kept on the device."""
     shape = TreeShape(3, 4)
-    mask = TreeMask()
-    passes = MetaPasses([5, 20, 9], mask,
-                        max_model_len={"near_max_model_len": 30}.get(case, 1000),
+    passes = MetaPasses([5, 20, 9], max_model_len={"near_max_model_len": 30}.get(case, 1000),
                         max_rows={"split_levels": 7}.get(case, 1000))
-    passes.keep_hidden = kept > 0
     with HostDeviceTraffic() as traffic:
         draft = draft_tree(passes, torch.zeros(3, dtype=torch.int64, device=META), shape,
-                           mask, temperature=1.0, keep_hidden=kept)
+                           temperature=1.0, keep_hidden=kept)
     assert draft.tree.tokens.device == META
     if kept:
         assert draft.node_hidden.shape == (kept, 1 + 3 * 4, 16)
@@ -167,7 +161,7 @@ def test_a_tree_step_reads_nothing_from_the_device_inside_its_passes(case, kept)
 
 
 def test_a_chain_step_reads_nothing_from_the_device():
-    passes = MetaPasses([5, 20], TreeMask())
+    passes = MetaPasses([5, 20])
     with HostDeviceTraffic() as traffic:
         chain = draft_chain(passes, torch.zeros(2, dtype=torch.int64, device=META), 6)
     assert chain.tokens.shape == (2, 6) and chain.tokens.device == META
@@ -176,11 +170,11 @@ def test_a_chain_step_reads_nothing_from_the_device():
 
 def test_the_meta_device_catches_a_host_read():
     """The check itself: a host read inside a step fails here, as it would sync on CUDA."""
-    passes = MetaPasses([5, 20], TreeMask())
+    passes = MetaPasses([5, 20])
     passes.root_bounds = lambda roots: roots.tolist()  # what draft_tree did before
     with pytest.raises(NotImplementedError, match="meta"):
         draft_tree(passes, torch.zeros(2, dtype=torch.int64, device=META), TreeShape(2, 3),
-                   passes.mask, temperature=1.0)
+                   temperature=1.0)
 
 
 @pytest.mark.parametrize("copy", ["host index", "tensor from a list"])
@@ -201,8 +195,7 @@ def test_the_adaptive_stop_reads_landed_masses_without_waiting(polls):
     second poll); nothing waits. Request 0 is dropped at the first masses seen, from the
     depth they were taken at, acting that many checks late; the rest draft to the end."""
     shape = TreeShape(2, 16)
-    mask = TreeMask()
-    passes = MetaPasses([5, 20, 9], mask)
+    passes = MetaPasses([5, 20, 9])
     passes.polls_to_land = polls
     asked = []
 
@@ -212,7 +205,7 @@ def test_the_adaptive_stop_reads_landed_masses_without_waiting(polls):
 
     with HostDeviceTraffic() as traffic:
         draft = draft_tree(passes, torch.zeros(3, dtype=torch.int64, device=META), shape,
-                           mask, temperature=1.0, drafting_next=drafting_next)
+                           temperature=1.0, drafting_next=drafting_next)
     assert traffic.blocking == []
     # a copy starts at each check with none in flight (depths 4, 8, 12 or 4, 12) and is read at
     # the first later check that finds it landed (the last one: no check after it)

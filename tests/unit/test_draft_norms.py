@@ -1,5 +1,6 @@
 """The eager CPU draft's RMSNorms through vLLM's C++ kernels (`model.cpu_fused_norms`): vLLM's own
-RMSNorm modules, copied as `substitute_layer` copies them, against their native forward."""
+RMSNorm modules, copied as `substitute_layer` copies them and replaced in the copy by
+`CpuFusedRMSNorm`, against their native forward."""
 
 import copy
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_subspec.draft_model.model import cpu_fused_norms
+from vllm_subspec.draft_model.model import CpuFusedRMSNorm, cpu_fused_norms
 
 
 class CountOps(TorchDispatchMode):
@@ -43,6 +44,8 @@ def test_switched_norms_match_the_native_norm_in_one_kernel_call(dtype, atol, ro
     target = layer(256, dtype)
     draft = copy.deepcopy(target)  # the draft's own copy, as substitute_layer makes it
     assert cpu_fused_norms([draft]) == 2
+    assert isinstance(draft.input_layernorm, CpuFusedRMSNorm)
+    assert type(target.input_layernorm).__name__ == "RMSNorm"  # vLLM's module: unchanged
     x, residual = torch.randn(rows, 256, dtype=dtype), torch.randn(rows, 256, dtype=dtype)
     want, xc = target.input_layernorm(x.clone()), x.clone()
     with CountOps() as counted:
@@ -69,23 +72,24 @@ def test_norms_the_kernels_do_not_cover_keep_the_native_forward():
     torch.manual_seed(0)
     m = layer(256, torch.bfloat16, var_hidden_size=128)  # a variance over part of the row
     assert cpu_fused_norms([m]) == 1  # only input_layernorm
+    assert not isinstance(m.post_attention_layernorm, CpuFusedRMSNorm)
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     native = m.post_attention_layernorm.forward_native(x.clone())
     assert torch.equal(m.post_attention_layernorm(x.clone()), native)
     # a strided input falls back to the native forward, with the same result
     wide = torch.randn(4, 512, dtype=torch.bfloat16)[:, ::2]
     assert not wide.is_contiguous()
-    assert torch.equal(m.input_layernorm(wide), m.input_layernorm.forward_native(wide))
+    assert torch.equal(m.input_layernorm(wide), m.input_layernorm.native.forward_native(wide))
     # so does a hidden size off the kernels' vector width (they raise on it), and a residual
     # of another dtype
     odd = layer(100, torch.bfloat16)
     assert cpu_fused_norms([odd]) == 2
     x, r = torch.randn(3, 100, dtype=torch.bfloat16), torch.randn(3, 100, dtype=torch.bfloat16)
-    assert torch.equal(odd.input_layernorm(x.clone()), odd.input_layernorm.forward_native(x))
+    assert torch.equal(odd.input_layernorm(x.clone()), odd.input_layernorm.native.forward_native(x))
     got, want = odd.input_layernorm(x.clone(), r.clone()), \
-        odd.input_layernorm.forward_native(x.clone(), r.clone())
+        odd.input_layernorm.native.forward_native(x.clone(), r.clone())
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     got = m.input_layernorm(x.clone(), x.float())
-    want = m.input_layernorm.forward_native(x.clone(), x.float())
+    want = m.input_layernorm.native.forward_native(x.clone(), x.float())
     assert all(torch.equal(a, b) for a, b in zip(got, want))

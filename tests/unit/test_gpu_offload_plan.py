@@ -151,21 +151,23 @@ def test_call_profile_counts_per_drafting_step():
     from types import SimpleNamespace
 
     from vllm_subspec.step.session import StepStats
+    from vllm_subspec.vllm_hooks.runner import SubSpecGPUModelRunner
 
-    stats = StepStats(draft_calls=5, draft_passes=40, draft_seconds=1.0)
-    worker = SimpleNamespace(model_runner=SimpleNamespace(
-        drafter=SimpleNamespace(session=SimpleNamespace(stats=stats))))
+    stats = StepStats(draft_steps=5, draft_passes=40, draft_seconds=1.0)
+    runner = object.__new__(SubSpecGPUModelRunner)  # only its session is read
+    runner.session = SimpleNamespace(stats=stats)
+    worker = SimpleNamespace(model_runner=runner)
     start_call_profile(worker)
     x = torch.ones(4)
     for _ in range(6):
         x = torch.add(x, 1)
     x = torch.mul(x, 2)
-    stats.draft_calls, stats.draft_passes, stats.draft_seconds = 8, 64, 1.6
+    stats.draft_steps, stats.draft_passes, stats.draft_seconds = 8, 64, 1.6
     out = stop_call_profile(worker)
     assert out["steps"] == 3 and out["draft_passes_per_step"] == 8
     assert out["draft_seconds_per_step"] == pytest.approx(0.2)
     assert out["graph_replays_per_step"] == 0 and out["host_syncs_per_step"] == 0  # no CUDA
-    assert not hasattr(worker, "subspec_call_profile")
+    assert not hasattr(worker, "subspec_call_profile")  # nothing kept on vLLM's worker
     with torch.profiler.profile() as prof:
         for _ in range(6):
             x = torch.add(x, 1)

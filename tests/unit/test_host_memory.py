@@ -6,16 +6,14 @@ import pytest
 import torch
 from decoder_stub import decoder_stub
 
-import vllm_subspec.draft_model.model as model_mod
-import vllm_subspec.draft_model.substitute as substitute_mod
+import vllm_subspec.draft_model.dense_twin as dense_twin
+import vllm_subspec.draft_model.substitute_set as substitute_set
 from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
 from vllm_subspec.draft_model.host_memory import plan_host_memory, substitute_bytes, twin_bytes
-from vllm_subspec.draft_model.model import build_substitutes
-from vllm_subspec.draft_model.substitute import (
-    Int4CpuKernel,
-    QuantizedWeight,
-    substitute_from_quantized,
-)
+from vllm_subspec.draft_model.kernels import Int4CpuKernel
+from vllm_subspec.draft_model.quantize import QuantizedWeight
+from vllm_subspec.draft_model.substitute import substitute_from_quantized
+from vllm_subspec.draft_model.substitute_set import build_substitutes
 
 CPU = torch.device("cpu")
 
@@ -58,11 +56,11 @@ def test_no_room_for_the_kv_cache_fails_with_the_numbers_and_the_settings():
 
 def test_twins_are_kept_in_layer_order_while_they_fit(monkeypatch):
     """Every shape would want a twin (crossover forced to 2 rows); the budget holds three."""
-    monkeypatch.setattr(substitute_mod, "dense_crossover", lambda *a: 2)
+    monkeypatch.setattr(dense_twin, "dense_crossover", lambda *a: 2)
     model = decoder_stub(2, 128, seed=0)
     options = SubSpecOptions.from_dict({"quantizer": "rtn", "substitute_cache": False,
                                         "draft_lm_head": "target"})
-    shapes = [tuple(job[3].weight.shape) for job in model_mod._jobs(model, [0, 1], options)]
+    shapes = [tuple(job[3].weight.shape) for job in substitute_set._jobs(model, [0, 1], options)]
     target = sum(p.numel() * p.element_size() for p in model.parameters())
     wanted = [twin_bytes(*s) for s in shapes]
     budget = sum(wanted[:3]) + 1
@@ -78,7 +76,7 @@ def test_twins_are_kept_in_layer_order_while_they_fit(monkeypatch):
 
 
 def _with_twins(monkeypatch):
-    monkeypatch.setattr(substitute_mod, "dense_crossover", lambda *a: 2)
+    monkeypatch.setattr(dense_twin, "dense_crossover", lambda *a: 2)
     model = decoder_stub(2, 128, seed=0)
     options = SubSpecOptions.from_dict({"quantizer": "rtn", "substitute_cache": False,
                                         "draft_lm_head": "target"})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_subspec.draft_model import hqq as solver
-from vllm_subspec.draft_model.substitute import quantize
+from vllm_subspec.draft_model.quantize import quantize
 
 
 def _weight(n, k, seed=0, outliers=False):

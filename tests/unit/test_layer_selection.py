@@ -92,14 +92,14 @@ def test_prefetch_streamed_layers_must_all_be_substituted(monkeypatch):
     from vllm.model_executor.offloader import base
 
     from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
-    from vllm_subspec.draft_model.model import attach_substitutes
+    from vllm_subspec.draft_model.substitute_set import build_substitute_set
 
     ls = layers(4)
-    model = SimpleNamespace(model=SimpleNamespace(layers=ls), __dict__={})
+    model = SimpleNamespace(model=SimpleNamespace(layers=ls))
     offloader = SimpleNamespace(module_offloaders=[SimpleNamespace(module=ls[1]),
                                                    SimpleNamespace(module=ls[3])])
     monkeypatch.setattr(base, "get_offloader", lambda: offloader)
     cfg = SimpleNamespace(offload_config=OffloadConfig())
     with pytest.raises(SubSpecConfigError, match=r"missing \[3\]"):
-        attach_substitutes(model, SubSpecOptions(substitute_layers=(1,)), cfg,
-                           torch.device("cpu"))
+        build_substitute_set(model, SubSpecOptions(substitute_layers=(1,)), cfg,
+                             torch.device("cpu"))

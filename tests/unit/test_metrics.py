@@ -36,7 +36,7 @@ def scrape(directory, engines=(0,)) -> str:
 
 def test_the_worker_writes_and_the_collector_reads_at_scrape_time(tmp_path):
     writer = StepMetricsFile(str(tmp_path), 1, PARTS)
-    stats = StepStats(draft_calls=10, plain_steps=3, draft_passes=42, draft_seconds=0.5,
+    stats = StepStats(draft_steps=10, plain_steps=3, draft_passes=42, draft_seconds=0.5,
                       verify_seconds=0.7, step_seconds=2.0, tree_width=4, tree_depth=9)
     writer.record(stats)
     text = scrape(tmp_path, engines=(0, 1))  # engine 0 wrote nothing: no samples for it
@@ -52,7 +52,7 @@ def test_the_worker_writes_and_the_collector_reads_at_scrape_time(tmp_path):
     assert metric_total(text, "vllm:subspec_draft_bytes", part="lm_head") == 50
     assert 'engine="0"' not in text
     # the next step's numbers are what the next scrape sees: no caching on either side
-    stats.draft_calls, stats.tree_width, stats.tree_depth = 11, 0, 0
+    stats.draft_steps, stats.tree_width, stats.tree_depth = 11, 0, 0
     writer.record(stats)
     text = scrape(tmp_path, engines=(1,))
     assert metric_total(text, "vllm:subspec_draft_steps_total") == 11
@@ -63,14 +63,14 @@ def test_the_worker_writes_and_the_collector_reads_at_scrape_time(tmp_path):
 def test_the_worker_opens_the_file_once_the_front_end_made_the_folder(tmp_path):
     folder, clock = tmp_path / "made-later", Clock()
     writer = StepMetricsFile(str(folder), 0, PARTS, clock=clock)
-    writer.record(StepStats(draft_calls=1))
+    writer.record(StepStats(draft_steps=1))
     assert writer.array is None and not folder.exists()  # nobody reads: nothing written
     folder.mkdir()
     clock.now += StepMetricsFile.LOOK_SECONDS / 2
-    writer.record(StepStats(draft_calls=2))
+    writer.record(StepStats(draft_steps=2))
     assert writer.array is None  # looked for at most once per interval
     clock.now += StepMetricsFile.LOOK_SECONDS
-    writer.record(StepStats(draft_calls=3))
+    writer.record(StepStats(draft_steps=3))
     assert read_metrics(str(folder / "engine0.f64"))["draft_steps"] == 3
     assert StepMetricsFile(None, 0, PARTS).record(StepStats()) is None  # no folder named
 
@@ -98,7 +98,7 @@ def test_the_stat_logger_plugin_serves_subspec_engines_only(metrics_dir):
     assert plain.collector is None and not metrics_dir.exists()
     first = SubSpecStatLogger(config(True), [0])
     assert metrics_dir.is_dir()  # created once the engines are up: workers start writing
-    StepMetricsFile(str(metrics_dir), 0, PARTS).record(StepStats(draft_calls=5))
+    StepMetricsFile(str(metrics_dir), 0, PARTS).record(StepStats(draft_steps=5))
     second = SubSpecStatLogger(config(True), [0])  # a new front end in the same process
     mine = [c for c in REGISTRY._collector_to_names if isinstance(c, SubSpecCollector)]
     assert mine == [second.collector] and first.collector is not second.collector

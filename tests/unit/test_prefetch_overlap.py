@@ -1,4 +1,4 @@
-"""PrefetchOverlap against vLLM's real PrefetchOffloader / _ModuleOffloader on CPU.
+"""OverlappingPrefetchOffloader: vLLM's real PrefetchOffloader / _ModuleOffloader code on CPU.
 
 Only the CUDA calls of vllm/model_executor/offloader/prefetch.py are replaced: `torch.cuda`
 streams, events, stream contexts and capture state, and pinned memory, by `Sim`, a recorder
@@ -15,7 +15,7 @@ What is checked, for eager / FULL / PIECEWISE forwards and mixtures of them:
 * every weight read sees its own layer (data), after the copy that brought it (RAW), and no
   copy overwrites a slot before every earlier reader of that slot (WAR);
 * graph captures contain no copy of the first `s` offloaded layers; those copies run while the
-  draft runs (neither ordered before nor after it) — and without PrefetchOverlap they do not;
+  draft runs (neither ordered before nor after it) — and with vLLM's own offloader they do not;
 * eager mode issues no extra copy.
 """
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from vllm_subspec.vllm_hooks import prefetch_overlap
-from vllm_subspec.vllm_hooks.prefetch_overlap import PrefetchOverlap
+from vllm_subspec.vllm_hooks.prefetch_overlap import OverlappingPrefetchOffloader
 
 # ---- the recorder ----------------------------------------------------------------------
 
@@ -319,7 +319,8 @@ def make(monkeypatch):
     from vllm.model_executor.offloader import prefetch
     from vllm.model_executor.offloader.base import set_offloader
 
-    def build(num_layers=6, group=1, in_group=1, step=2, overlap=True):
+    def build(num_layers=6, group=1, in_group=1, step=2, overlap=True, use_ubatching=False):
+        """The runner's offloader as SubSpec's runner installs it (overlap) or vLLM's own."""
         global SIM
         SIM = Sim()  # a fresh recorder (and streams) per offloader
         proxy = TorchProxy(SIM)
@@ -327,12 +328,13 @@ def make(monkeypatch):
         monkeypatch.setattr(prefetch, "should_pin_memory", lambda: False)
         monkeypatch.setattr(prefetch_overlap, "torch", proxy)
         off = prefetch.PrefetchOffloader(group_size=group, num_in_group=in_group,
-                                         prefetch_step=step)
-        layers = off.wrap_modules(iter([Layer(i) for i in range(num_layers)]))
+                                         prefetch_step=step)  # GPUModelRunner.__init__
+        if overlap:  # SubSpecRunner.__init__
+            off = OverlappingPrefetchOffloader.replacing(off, use_ubatching)
         set_offloader(off)
-        ov = PrefetchOverlap.from_offloader(off) if overlap else None  # drafter.load_model
+        layers = off.wrap_modules(iter([Layer(i) for i in range(num_layers)]))  # the model
         off.post_init()  # GPUModelRunner.load_model, after the drafter
-        return Runner(off, layers, ov)
+        return Runner(off, layers, off if overlap and off.overlaps else None)
 
     yield build
     set_offloader(None)
@@ -354,23 +356,27 @@ def concurrent(a, b):
 # ---- tests -----------------------------------------------------------------------------
 
 
-def test_from_offloader_only_for_a_shared_prefetch_ring(make):
+def test_it_replaces_only_vllms_prefetch_offloader_and_overlaps_a_shared_ring(make):
     from vllm.model_executor.offloader.base import NoopOffloader
 
-    assert PrefetchOverlap.from_offloader(NoopOffloader()) is None
-    assert make(num_layers=2, step=2).overlap is None  # every layer has its own slot
+    assert OverlappingPrefetchOffloader.replacing(NoopOffloader()) is None
     runner = make(num_layers=6, step=2)
-    assert runner.overlap is not None
-    assert PrefetchOverlap.from_offloader(runner.offloader) is runner.overlap  # idempotent
-    assert PrefetchOverlap.from_offloader(runner.offloader, use_ubatching=True) is runner.overlap
+    assert type(runner.offloader) is OverlappingPrefetchOffloader and runner.overlap is not None
+    assert OverlappingPrefetchOffloader.replacing(runner.offloader) is None  # once
+    assert make(num_layers=2, step=2).overlap is None  # every layer has its own slot
 
 
-def test_from_offloader_refuses_micro_batching(make):
-    from vllm.model_executor.offloader import prefetch
-
-    runner = make(overlap=False)
-    assert PrefetchOverlap.from_offloader(runner.offloader, use_ubatching=True) is None
-    assert isinstance(runner.offloader, prefetch.PrefetchOffloader)
+def test_micro_batching_keeps_vllms_behaviour(make):
+    """With micro-batching (two threads running forwards) it issues no copy of its own: the
+    same copies, in the same order, as vLLM's own offloader."""
+    runs = []
+    for overlap in (False, True):
+        runner = make(overlap=overlap, use_ubatching=True)
+        assert runner.overlap is None
+        for mode in ("eager", "full", "eager"):
+            runner.step(mode)
+        runs.append([(e["stream"].rstrip("0123456789"), e["layer"]) for e in copies()])
+    assert runs[0] == runs[1] and runs[0]
 
 
 @pytest.mark.parametrize("mode", ["full", "piecewise"])
@@ -472,7 +478,7 @@ def test_eager_forward_after_a_graph_forward(make, mode):
 def test_draft_running_a_shared_offloaded_layer(make):
     """substitute_layers listing fewer layers than are offloaded: the draft runs the target's
     hooked forward of an offloaded layer. vLLM's ring then leaves a slot holding the wrong layer
-    for the next verify; with PrefetchOverlap every reader gets its layer."""
+    for the next verify; with OverlappingPrefetchOffloader every reader gets its layer."""
     runner = make(num_layers=4, step=1, overlap=False)
     runner.step("eager", draft_layers=[2])
     runner.step("eager")

@@ -11,12 +11,10 @@ import random
 import pytest
 import torch
 
+from vllm_subspec.step.linear_cost import LinearCost
+from vllm_subspec.step.lm_head_choice import COMPARE_EVERY, COMPARE_UNTIL, LmHeadComparison
 from vllm_subspec.step.shape_tuner import (
-    COMPARE_EVERY,
-    COMPARE_UNTIL,
     EXPLORE_STEPS,
-    HeadComparison,
-    LinearCost,
     MassCalibration,
     ShapeTuner,
     StepCosts,
@@ -106,8 +104,8 @@ class World:
         """What the proposer measures at load: each head's logits at 1, k and 4k rows."""
         for head, (_, (a, b)) in self.heads.items():
             for rows in (1, 6, 24):
-                tuner.observe_head_cost(head, rows, a + b * rows)
-        tuner.start_with_cheaper_head(6)
+                tuner.lm_heads.observe_cost(head, rows, a + b * rows)
+        tuner.lm_heads.start_with_cheaper(6)
 
     def t_verify(self, rows):
         return self.verify_cost[0] + self.verify_cost[1] * rows
@@ -120,7 +118,7 @@ class World:
     def step(self, tuner: ShapeTuner, batch_size: int):
         """One engine step driven by the tuner; returns (tokens, seconds, draft passes)."""
         plan = tuner.plan_step(batch_size)
-        self.head = plan.head
+        self.head = plan.lm_head
         k, depth_max = plan.shape.width, plan.shape.depth
         if depth_max == 0:  # no draft: a plain decoding step, which the engine does not time
             return batch_size, self.t_verify(batch_size) + self.other, 0
@@ -157,11 +155,12 @@ class World:
                 accepted += 1
             tokens += accepted + 1
             tuner.observe_tree(k, log_mass[i, : d + 1].tolist(), accepted, v)
-            for _ in range(accepted + 1 if plan.compare_heads else 0):
+            for _ in range(accepted + 1 if plan.compare_lm_heads else 0):
                 u = self.rng.random()  # each node of the accepted path: both heads ranked
-                tuner.observe_heads({h: next((w - 1 for w in sorted(self.cont)  # u < rate(w)
-                                              if u < self.request_cont(w, i, h)), None)
-                                     for h in self.heads})
+                tuner.lm_heads.observe_ranks({h: next((w - 1 for w in sorted(self.cont)  # u < rate(w)
+                                                     if u < self.request_cont(w, i, h)),
+                                                    None)
+                                               for h in self.heads})
         return tokens, draft_s + verify_s + self.other, d
 
     def plain_rate(self, batch_size):
@@ -386,18 +385,15 @@ def test_the_tuner_drafts_with_the_head_that_is_faster_end_to_end(heads, best_he
     the head of the best fixed configuration, and within 10% of that configuration's rate."""
     world = World({1: 0.80, 2: 0.86, 4: 0.90, 6: 0.92}, seed=3, heads=heads)
     tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True,
-                       heads=("target", "quantized"))
+                       lm_heads=("target", "quantized"))
     world.time_heads(tuner)
-    switches = []
-    switch = tuner._switch_head
-    tuner._switch_head = lambda head: switches.append(head) or switch(head)
     run(world, tuner, 300, batch_size)
     rate, _, _ = run(world, tuner, 400, batch_size)
-    assert len(switches) <= 1, switches  # decided once, not flapping on noise
+    assert tuner.lm_heads.switches <= 1  # decided once, not flapping on noise
     best = {h: max(world.fixed_rate(k, d, batch_size, h) for k in (1, 2, 4, 6)
                    for d in range(1, 33)) for h in heads}
     assert max(best, key=best.get) == best_head  # the worlds are what their names say
-    assert tuner.head == best_head, (tuner.head, best, tuner.heads_compared.hits)
+    assert tuner.lm_head == best_head, (tuner.lm_head, best, tuner.lm_heads.compared.hits)
     assert rate >= 0.9 * best[best_head], (rate, best, tuner.describe())
 
 
@@ -408,34 +404,22 @@ def test_the_tuner_starts_with_the_head_timed_cheaper_at_load():
     for costs, first in [({"target": 0.030, "quantized": 0.007}, "quantized"),
                          ({"target": 0.002, "quantized": 0.003}, "target"),
                          ({"target": 0.004, "quantized": 0.004}, "target")]:  # a tie: in order
-        tuner = ShapeTuner((1, 6), 8, auto_width=True, auto_depth=True, heads=heads)
+        tuner = ShapeTuner((1, 6), 8, auto_width=True, auto_depth=True, lm_heads=heads)
         for head, seconds in costs.items():
             for rows in (1, 6, 24):
-                tuner.observe_head_cost(head, rows, seconds * rows)
-        tuner.start_with_cheaper_head(6)
-        assert tuner.head == first and tuner.plan_step(1).head == first
-    untimed = ShapeTuner((1, 6), 8, auto_width=True, auto_depth=True, heads=heads)
-    untimed.start_with_cheaper_head(6)
-    assert untimed.head == "target"
-    # costs given before the first step (a projection's) choose the first head again: without
-    # head costs, in order; after a drafting step the comparison decides, not the costs
-    tuner.head = "quantized"
-    tuner.drafting_steps = 0
+                tuner.lm_heads.observe_cost(head, rows, seconds * rows)
+        tuner.lm_heads.start_with_cheaper(6)
+        assert tuner.lm_head == first and tuner.plan_step(1).lm_head == first
+    untimed = ShapeTuner((1, 6), 8, auto_width=True, auto_depth=True, lm_heads=heads)
+    untimed.lm_heads.start_with_cheaper(6)
+    assert untimed.lm_head == "target"
+    # the step costs a benchmark injects leave the drafting head alone
     tuner.use_costs(StepCosts.measured((1, 6)))
-    assert tuner.head == "target"
-    timed = StepCosts.measured((1, 6), heads)
-    for head, seconds in (("target", 0.03), ("quantized", 0.007)):
-        timed.head[head].add(1, seconds)
-        timed.head[head].add(24, 24 * seconds)
-    tuner.use_costs(timed)
-    assert tuner.head == "quantized"
-    tuner.plan_step(1)  # drafts
-    tuner.use_costs(StepCosts.measured((1, 6)))
-    assert tuner.head == "quantized"
+    assert tuner.lm_head == first
 
 
 def test_the_head_comparison_is_paired_and_scales_the_acceptance_per_width():
-    compared = HeadComparison(("target", "quantized"), widths=(1, 2), decay=1.0)
+    compared = LmHeadComparison(("target", "quantized"), widths=(1, 2), decay=1.0)
     # ranks of the target's draw: the quantized head often has it second, not first
     for rank_t, rank_q in [(0, 0)] * 6 + [(0, 1)] * 2 + [(1, None)] + [(None, None)]:
         compared.add({"target": rank_t, "quantized": rank_q})
@@ -466,20 +450,20 @@ def test_the_head_comparison_is_paired_and_scales_the_acceptance_per_width():
 
 def test_heads_are_compared_at_every_drafting_step_then_one_in_compare_every():
     tuner = ShapeTuner((6,), 8, auto_width=False, auto_depth=False,
-                       heads=("target", "quantized"))
+                       lm_heads=("target", "quantized"))
     compared = []
     for _ in range(3 * COMPARE_UNTIL + 4 * COMPARE_EVERY):
         plan = tuner.plan_step(1)
-        assert plan.head == "target"  # nothing measured: the first head drafts
-        compared.append(plan.compare_heads)
-        if plan.compare_heads:
-            tuner.observe_heads({"target": 0, "quantized": 0})
+        assert plan.lm_head == "target"  # nothing measured: the first head drafts
+        compared.append(plan.compare_lm_heads)
+        if plan.compare_lm_heads:
+            tuner.lm_heads.observe_ranks({"target": 0, "quantized": 0})
     first = compared.index(False)
     assert first >= COMPARE_UNTIL and all(compared[:first])
     later = compared[first:]
     assert 0 < sum(later) <= len(later) // COMPARE_EVERY + 1
-    one = ShapeTuner((6,), 8, auto_width=False, auto_depth=False, heads=("target",))
+    one = ShapeTuner((6,), 8, auto_width=False, auto_depth=False, lm_heads=("target",))
     plan = one.plan_step(1)
-    assert plan.head == "target" and not plan.compare_heads
+    assert plan.lm_head == "target" and not plan.compare_lm_heads
     none = ShapeTuner((6,), 8, auto_width=False, auto_depth=False)
-    assert none.plan_step(1).head is None
+    assert none.plan_step(1).lm_head is None

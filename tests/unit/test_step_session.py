@@ -16,16 +16,13 @@ from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.draft import draft_tree
-from vllm_subspec.step.paged_kv import CpuVecLayout, logical_to_slots
+from vllm_subspec.step.linear_cost import LinearCost
+from vllm_subspec.step.lm_head_choice import COMPARED_REQUESTS, LmHeadComparison
+from vllm_subspec.step.paged_kv import CpuVecLayout, PagedKv, logical_to_slots
 from vllm_subspec.step.session import StepSession, VerifyRequest
-from vllm_subspec.step.shape_tuner import (
-    COMPARED_REQUESTS,
-    HeadComparison,
-    LinearCost,
-    ShapeTuner,
-    StepCosts,
-)
+from vllm_subspec.step.shape_tuner import ShapeTuner, StepCosts
 from vllm_subspec.step.tree import TreeShape
+from vllm_subspec.step.tree_attention import active_tree_plan
 
 V = 12
 BS, KV_HEADS, D = 16, 2, 32
@@ -44,58 +41,57 @@ TARGET[[3, 7, 10]] = next_token_table(2)[[3, 7, 10]]
 
 
 class StubPasses:
-    """`step.draft.DraftPasses` over the bigram draft; records what each pass was given."""
+    """`step.draft.DraftPasses` over the bigram models: a row's "hidden state" is its token,
+    and each lm_head is a next-token table (the target's head: DRAFT; the quantized one:
+    OTHER_HEAD). Records what each pass was given and which heads were asked."""
 
     on_device = False
-    head = "target"  # the drafting lm_head: DRAFT (the session sets each step's)
-    keep_hidden = False  # every pass keeps its rows' "hidden states": their tokens
 
-    def __init__(self, roots: list[int], mask, max_model_len: int = 1000, max_rows: int = 1000):
+    def __init__(self, roots: list[int], max_model_len: int = 1000, max_rows: int = 1000):
         self.roots = torch.tensor(roots)
         self.batch_size = len(roots)
         self.max_model_len = max_model_len
         self.max_rows = max_rows
-        self.mask = mask
         self.calls = []
+        self.heads_used = set()  # the lm_heads the passes drafted through
+        self.ranked_rows = 0  # rows the verify ranked through the heads (one head's count)
+
+    @staticmethod
+    def _hidden(tokens):
+        return tokens[:, None].float()
+
+    def logits(self, hidden, lm_head):
+        self.heads_used.add(lm_head)
+        return HEADS[lm_head][hidden[:, 0].long()]
+
+    def lm_head_logits(self, hidden, lm_head):
+        """The session's `LmHeadLogits`, for a compared step's ranks."""
+        self.ranked_rows += len(hidden) if lm_head == "target" else 0
+        return HEADS[lm_head][hidden[:, 0].long()]
 
     def bonus_pass(self, next_token_ids):
         self.calls.append(("bonus", next_token_ids.tolist(), None))
-        return self._logits(next_token_ids), self.roots
-
-    def _logits(self, tokens):
-        """The drafting head's logits; with keep_hidden, the rows' hidden states (a bigram
-        model's: the token itself)."""
-        self.hidden = tokens[:, None].float() if self.keep_hidden else None
-        return DRAFT[tokens]
-
-    def last_hidden(self):
-        return self.hidden
-
-    def rank_heads(self, hidden, top):
-        """Both heads' top tokens: DRAFT drafts ("target"), OTHER_HEAD is the other."""
-        self.ranked_rows = getattr(self, "ranked_rows", 0) + len(hidden)
-        tokens = hidden[:, 0].long()
-        return {h: table[tokens].topk(top, dim=-1).indices
-                for h, table in ((self.head, DRAFT), ("quantized", OTHER_HEAD))}
+        return self._hidden(next_token_ids), self.roots
 
     def root_bounds(self, roots):
         return roots.tolist()
 
     def chain_pass(self, index, input_ids):
         self.calls.append(("chain", input_ids.tolist(), None))
-        return self._logits(input_ids)
+        return self._hidden(input_ids)
 
     def level_pass(self, depth, width, tokens, active):
-        plan = self.mask.plan
+        plan = active_tree_plan()
         self.calls.append(("level", tokens.tolist(), active,
                            None if plan is None else [r.prefix_len for r in plan.rows]))
-        return self._logits(tokens)
+        return self._hidden(tokens)
 
     def synchronize(self):
         pass
 
 
 OTHER_HEAD = next_token_table(3)  # the draft's other lm_head: another bigram table
+HEADS = {"target": DRAFT, None: DRAFT, "quantized": OTHER_HEAD}
 
 
 def target_greedy(token: int, n: int) -> list[int]:
@@ -132,7 +128,7 @@ def kv_cache(num_blocks: int = 8):
 def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec: int,
              chain_only: list[bool] | None = None):
     """propose -> prepare_verify -> verify_forward -> sample_and_walk -> compact."""
-    passes = StubPasses(roots, session.mask)
+    passes = StubPasses(roots)
     req_ids = [f"r{i}" for i in range(len(roots))]
     drafts = session.propose(passes, req_ids, torch.tensor(bonus), num_spec, chain_only)
     drafts = drafts.tolist() if torch.is_tensor(drafts) else drafts
@@ -147,16 +143,17 @@ def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec:
     for w in session.prepare_verify(requests):
         positions[w.start: w.start + len(w.positions)] = w.positions
     with session.verify_forward():
-        plan = session.mask.plan
+        plan = active_tree_plan()
     # the target's logits at every node: its next token after the node's own token
     node_tokens = [t for b, d in zip(bonus, drafts) for t in [b, *d]]
     logits = TARGET[torch.tensor(node_tokens)]
-    walk = session.sample_and_walk(req_ids, [len(d) for d in drafts], logits,
-                                   greedy_sampling(len(roots)), topk_topp_sampler=None)
     blocks = 4 * max(2, len(roots))  # 4 blocks (64 slots) a request
     kv_caches, layout = kv_cache(blocks)
     table = torch.arange(blocks, dtype=torch.int32).flip(0).reshape(-1, 4)  # out of order
-    session.compact(walk.moves, kv_caches, table, BS)
+    walk = session.sample_and_walk(req_ids, [len(d) for d in drafts], logits,
+                                   greedy_sampling(len(roots)), topk_topp_sampler=None,
+                                   kv=lambda: PagedKv(kv_caches, table, BS),
+                                   lm_head_logits=passes.lm_head_logits)
     return SimpleNamespace(passes=passes, drafts=drafts, positions=positions, plan=plan,
                            walk=walk, layout=layout, table=table)
 
@@ -187,7 +184,7 @@ def test_a_fixed_tree_step_emits_the_targets_greedy_tokens_and_compacts_kv():
     assert kinds == ["bonus", "level", "level", "level"]
     assert all(c[3] == roots and len(c[1]) == 2 * 3 for c in step.passes.calls[1:])
     assert [len(d) for d in step.drafts] == [12, 12]  # k * D tokens each (vLLM's fixed size)
-    assert session.stats.draft_calls == 1 and session.stats.draft_passes == 4
+    assert session.stats.draft_steps == 1 and session.stats.draft_passes == 4
     assert (session.stats.tree_width, session.stats.tree_depth) == (3, 4)  # metrics' gauges
     assert session.pending == {}  # consumed by prepare_verify: verified at most once
 
@@ -195,7 +192,7 @@ def test_a_fixed_tree_step_emits_the_targets_greedy_tokens_and_compacts_kv():
     depths = [0] + [1 + j // 3 for j in range(12)]
     assert step.positions.tolist() == [r + d for r in roots for d in depths]
     assert [r.prefix_len for r in step.plan.rows] == roots
-    assert session.mask.plan is None  # only inside the verify forward
+    assert active_tree_plan() is None  # only inside the verify forward
 
     # sample, then match: the emitted tokens are the target's own greedy decoding
     for i, (root, b) in enumerate(zip(roots, bonus)):
@@ -236,7 +233,7 @@ def test_an_auto_step_feeds_the_tuner_from_the_session_only():
     # a second step: the rest-of-step time between the two is observed too
     run_step(session, roots, [step.walk.tokens[0, 0].item(), step.walk.tokens[1, 0].item()],
              options.num_draft_tokens)
-    assert tuner.other.known and session.stats.draft_calls == 2
+    assert tuner.other.known and session.stats.draft_steps == 2
     # the step clock: one step from the first proposal's end to the second's (fake: 10 ms a
     # reading), of which the second's drafting is part
     assert 0 < session.stats.draft_seconds / 2 < session.stats.step_seconds
@@ -246,13 +243,13 @@ def test_an_auto_step_keeps_each_requests_level_masses_for_the_tuner():
     options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
     tuner = ShapeTuner(options.widths, 3, options.auto_width, options.auto_depth)
     session = StepSession(options, tuner)
-    passes = StubPasses([5, 9], session.mask)
+    passes = StubPasses([5, 9])
     session.propose(passes, ["a", "b"], torch.tensor([3, 8]), options.num_draft_tokens)
     masses = session.pending["b"].level_log_mass
     assert len(masses) == 4 and masses[0] == 0.0 and all(m <= 0 for m in masses)
     fixed = StepSession.from_options(SubSpecOptions.from_dict({"tree_width": 2,
                                                                "tree_depth": 3}))
-    fixed.propose(StubPasses([5, 9], fixed.mask), ["a", "b"], torch.tensor([3, 8]), 6)
+    fixed.propose(StubPasses([5, 9]), ["a", "b"], torch.tensor([3, 8]), 6)
     assert fixed.pending["a"].level_log_mass == [] and fixed.pending["a"].width == 2
 
 
@@ -303,7 +300,7 @@ def test_injected_costs_decide_and_a_plain_step_drafts_nothing():
 def test_a_chain_step_drafts_argmax_tokens_without_trees():
     options = SubSpecOptions.from_dict({"tree_width": 1, "tree_depth": 4})
     session = StepSession.from_options(options)
-    passes = StubPasses([5, 20], session.mask)
+    passes = StubPasses([5, 20])
     drafts = session.propose(passes, ["a", "b"], torch.tensor([3, 8]), 4)
     assert [c[0] for c in passes.calls] == ["bonus", "chain", "chain", "chain"]
     for row, b in zip(drafts.tolist(), [3, 8]):
@@ -323,7 +320,7 @@ def test_a_request_near_max_model_len_stops_alone(limit, reached_b):
     vLLM the nodes it drafted (a fixed shape's k * D only where every request got that deep)."""
     options = SubSpecOptions.from_dict({"tree_width": 3, "tree_depth": 4})
     session = StepSession.from_options(options)
-    passes = StubPasses([5, 20], session.mask, max_model_len=limit)
+    passes = StubPasses([5, 20], max_model_len=limit)
     drafts = session.propose(passes, ["a", "b"], torch.tensor([3, 8]), 12)
     assert [len(d) for d in drafts] == [12, 3 * reached_b]
     assert 20 + reached_b * 3 < limit <= 20 + (reached_b + 1) * 3
@@ -340,8 +337,8 @@ def test_a_level_wider_than_one_forward_is_drafted_in_groups():
     options = SubSpecOptions.from_dict({"tree_width": 3, "tree_depth": 3})
     roots, bonus = [5, 20, 9, 14, 30], torch.tensor([3, 8, 1, 4, 2])
     wide, narrow = StepSession.from_options(options), StepSession.from_options(options)
-    one = StubPasses(roots, wide.mask)
-    split = StubPasses(roots, narrow.mask, max_rows=7)
+    one = StubPasses(roots)
+    split = StubPasses(roots, max_rows=7)
     assert torch.equal(wide.propose(one, list("abcde"), bonus, 9),
                        narrow.propose(split, list("abcde"), bonus, 9))
     assert [c[2] for c in one.calls if c[0] == "level"] == [None, None]
@@ -354,7 +351,7 @@ def test_a_level_wider_than_one_forward_is_drafted_in_groups():
 def test_a_fixed_shape_hands_vllm_its_tensor_when_every_request_is_full_depth():
     options = SubSpecOptions.from_dict({"tree_width": 3, "tree_depth": 4})
     session = StepSession.from_options(options)
-    drafts = session.propose(StubPasses([5, 20], session.mask), ["a", "b"],
+    drafts = session.propose(StubPasses([5, 20]), ["a", "b"],
                              torch.tensor([3, 8]), 12)
     assert isinstance(drafts, torch.Tensor) and drafts.shape == (2, 12)
 
@@ -380,7 +377,7 @@ def test_step_seconds_leave_idle_gaps_out():
     options = SubSpecOptions.from_dict({"tree_width": 1, "tree_depth": 2})
     clock = FakeClock()  # 10 ms a reading: each proposal drafts for 10 ms
     session = StepSession(options, clock=clock)
-    propose = lambda: session.propose(StubPasses([5], session.mask), ["a"],  # noqa: E731
+    propose = lambda: session.propose(StubPasses([5]), ["a"],  # noqa: E731
                                       torch.tensor([3]), 2)
     propose()
     assert session.stats.step_seconds == pytest.approx(session.stats.draft_seconds)
@@ -400,22 +397,22 @@ def test_a_compared_step_scores_both_lm_heads_on_every_draw_of_the_accepted_path
     head's top tokens there (accepted at width w iff rank < w). Only those nodes go through the
     heads, and only the first COMPARED_REQUESTS requests' trees are scored."""
     options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
-    assert options.draft_heads == ("target", "quantized")
+    assert options.draft_lm_heads == ("target", "quantized")
     tuner = ShapeTuner((1, 2), 3, auto_width=False, auto_depth=False,  # always drafts, 2 x 3
-                       heads=options.draft_heads)
-    tuner.heads_compared = HeadComparison(options.draft_heads, (1, 2), decay=1.0)  # counts
+                       lm_heads=options.draft_lm_heads)
+    tuner.lm_heads.compared = LmHeadComparison(options.draft_lm_heads, (1, 2), decay=1.0)
     session = StepSession(options, tuner)
-    n, hits = 0, {h: {1: 0, 2: 0} for h in options.draft_heads}
+    n, hits = 0, {h: {1: 0, 2: 0} for h in options.draft_lm_heads}
     batch = COMPARED_REQUESTS + 1  # the last request is drafted, verified, not compared
     for first in range(0, V - batch, batch):  # every token as a root
         bonus = list(range(first, first + batch))
         step = run_step(session, [5 + 15 * (i % 3) for i in range(batch)], bonus,
                         options.num_draft_tokens)
-        assert step.passes.head == "target" and step.passes.keep_hidden
+        assert step.passes.heads_used == {"target"}  # the tuner's head drafts
         ranked = n
         n = _ranked_by_both_tables(step.walk, bonus[:COMPARED_REQUESTS], n, hits)
         assert step.passes.ranked_rows == n - ranked  # the accepted paths' nodes, no more
-    compared = tuner.heads_compared
+    compared = tuner.lm_heads.compared
     assert compared.n == n > V  # deeper nodes too, not only the roots
     assert compared.hits == hits
     assert hits["target"] != hits["quantized"]  # the two heads were told apart
@@ -441,11 +438,9 @@ def test_node_hidden_is_kept_per_node_also_for_requests_that_dropped_out():
     """draft_tree's node_hidden: row r of a level pass is node level(d)[r % k] of the r // k-th
     request drafting; only the first keep_hidden requests keep theirs; a request that stopped
     keeps zeros (no pass ran from its nodes)."""
-    session = StepSession(SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 3}))
-    passes = StubPasses([5, 20, 40, 60], session.mask)
-    passes.keep_hidden = True
+    passes = StubPasses([5, 20, 40, 60])
     shape = TreeShape(2, 3)
-    draft = draft_tree(passes, torch.tensor([1, 4, 7, 9]), shape, session.mask, 0.2,
+    draft = draft_tree(passes, torch.tensor([1, 4, 7, 9]), shape, 0.2, "target",
                        lambda log_mass, reached: [0, 2, 3], keep_hidden=3)  # request 1 stops
     assert draft.reached == [3, 1, 3, 3]
     tokens, hidden = draft.tree.tokens, draft.node_hidden  # [3, nodes, 1]: the stub's tokens

@@ -9,22 +9,18 @@ from decoder_stub import decoder_stub
 from torch import nn
 
 from vllm_subspec.config import SubSpecOptions
-from vllm_subspec.draft_model.model import (
-    DraftModel,
-    SubstituteSet,
-    build_substitutes,
-    draft_row_counts,
-    substitute_layer,
-)
 from vllm_subspec.draft_model import int4_dot_cpu
-from vllm_subspec.draft_model.substitute import (
+from vllm_subspec.draft_model.kernels import (
     Int4CpuKernel,
     Int4DotCpuKernel,
     ReferenceKernel,
-    SubstituteLinear,
     choose_kernel,
-    quantize,
 )
+from vllm_subspec.draft_model.model import DraftModel, substitute_layer
+from vllm_subspec.draft_model.quantize import quantize
+from vllm_subspec.draft_model.row_buckets import draft_row_counts
+from vllm_subspec.draft_model.substitute import SubstituteLinear
+from vllm_subspec.draft_model.substitute_set import SubstituteSet, build_substitutes
 
 CPU = torch.device("cpu")
 # The CPU int4 kernels: tinygemm everywhere, the AVX512-BF16 one where this CPU runs it.
@@ -130,12 +126,12 @@ def test_int4_cpu_runs_its_dense_twin_from_the_crossover_row_count(weight, monke
     """From `dense_from_rows` rows the kernel runs a plain matmul of the same HQQ weights
     ((q - z) * s in the activation dtype); below it, the int4 kernel. Both match the reference
     to bf16 rounding. Without a draft row bound or where dense never wins, no twin is kept."""
-    import vllm_subspec.draft_model.substitute as substitute
+    import vllm_subspec.draft_model.dense_twin as dense_twin
 
     qw = quantize(weight, bits=4, group_size=64)
     int4_only = kernel_cls(qw, torch.bfloat16)
     assert int4_only.dense is None and len(int4_only.tensors()) == 2
-    monkeypatch.setattr(substitute, "dense_crossover", lambda *args: 4)
+    monkeypatch.setattr(dense_twin, "dense_crossover", lambda *args: 4)
     twin = kernel_cls(qw, torch.bfloat16, max_rows=64)
     assert twin.dense_from_rows == 4 and twin.dense.dtype == torch.bfloat16
     assert torch.equal(twin.dense, qw.dequantize(torch.bfloat16))
@@ -146,7 +142,7 @@ def test_int4_cpu_runs_its_dense_twin_from_the_crossover_row_count(weight, monke
         expected = F.linear(x, twin.dense) if rows >= 4 else int4_only(x)
         assert torch.equal(y, expected), rows
         assert rel_err(y, ReferenceKernel(qw, torch.bfloat16)(x)) < 1e-2
-    monkeypatch.setattr(substitute, "dense_crossover", lambda *args: None)
+    monkeypatch.setattr(dense_twin, "dense_crossover", lambda *args: None)
     assert kernel_cls(qw, torch.bfloat16, max_rows=64).dense is None
 
 
@@ -164,10 +160,10 @@ def test_a_compiled_int4_kernel_chooses_its_path_per_call_not_at_trace_time(weig
     `vllm_subspec::int4_dot_cpu_linear`): one trace at 9
     rows (dense path) still runs int4 at 1 row, bit for bit as eager, and a kernel without a twin
     traces to the same graph (an empty tensor stands in for the twin)."""
-    import vllm_subspec.draft_model.substitute as substitute
+    import vllm_subspec.draft_model.dense_twin as dense_twin
 
     qw = quantize(weight, bits=4, group_size=64)
-    monkeypatch.setattr(substitute, "dense_crossover", lambda *args: 4)
+    monkeypatch.setattr(dense_twin, "dense_crossover", lambda *args: 4)
     twin = kernel_cls(qw, torch.bfloat16, max_rows=64)
     no_twin = kernel_cls(qw, torch.bfloat16)
     graphs = []
@@ -204,13 +200,13 @@ def test_a_compiled_int4_kernel_chooses_its_path_per_call_not_at_trace_time(weig
     ([1.0 + 0.1 * m for m in ROWS], [0.5 + 0.05 * m for m in ROWS], 32, 1),  # dense always
 ])
 def test_crossover_is_where_the_fitted_times_cross(int4_ms, dense_ms, max_rows, expected):
-    from vllm_subspec.draft_model.substitute import crossover_rows
+    from vllm_subspec.draft_model.dense_twin import crossover_rows
 
     assert crossover_rows(ROWS, int4_ms, dense_ms, max_rows) == expected
 
 
 def test_dense_crossover_is_timed_once_per_shape():
-    from vllm_subspec.draft_model.substitute import dense_crossover
+    from vllm_subspec.draft_model.dense_twin import dense_crossover
 
     dense_crossover.cache_clear()
     first = dense_crossover(Int4CpuKernel, 64, 128, 64, torch.bfloat16, 8)
@@ -220,10 +216,10 @@ def test_dense_crossover_is_timed_once_per_shape():
 
 
 def test_only_the_auto_kernel_choice_keeps_a_dense_twin(weight, monkeypatch):
-    import vllm_subspec.draft_model.substitute as substitute
+    import vllm_subspec.draft_model.dense_twin as dense_twin
     from vllm_subspec.draft_model.substitute import substitute_from_quantized
 
-    monkeypatch.setattr(substitute, "dense_crossover", lambda *args: 2)
+    monkeypatch.setattr(dense_twin, "dense_crossover", lambda *args: 2)
     qw = quantize(weight, bits=4, group_size=64)
     linear = torch.nn.Linear(256, 192, bias=False).to(torch.bfloat16)
     auto = substitute_from_quantized(qw, linear, CPU, "auto", max_rows=32)
@@ -238,10 +234,10 @@ def test_only_the_auto_kernel_choice_keeps_a_dense_twin(weight, monkeypatch):
 def test_large_weights_are_quantized_in_row_blocks(weight, monkeypatch, method):
     """Row blocks bound the solver's memory: round-to-nearest is per group, so blocks give the
     very same codes; HQQ's solver stops per block, so its error must stay as small."""
-    import vllm_subspec.draft_model.substitute as substitute
+    import vllm_subspec.draft_model.quantize as quantize_mod
 
     whole = quantize(weight, bits=4, group_size=64, method=method)
-    monkeypatch.setattr(substitute, "QUANTIZE_BLOCK_ELEMENTS", 50 * weight.shape[1])
+    monkeypatch.setattr(quantize_mod, "QUANTIZE_BLOCK_ELEMENTS", 50 * weight.shape[1])
     blocked = quantize(weight, bits=4, group_size=64, method=method)  # 192 rows: 4 blocks
     assert blocked.codes.shape == whole.codes.shape and blocked.scale.shape == whole.scale.shape
     if method == "rtn":
@@ -432,26 +428,6 @@ def test_warm_up_runs_each_linear_shape_once_per_warm_up_key():
     assert Int4CpuKernel.warm_up_key(7) is None and ReferenceKernel.warm_up_key(7) is None
 
 
-def test_substitutes_are_found_through_get_model_under_cuda_graphs():
-    """Under CUDA graphs the runner's `model` attribute is vLLM's CUDAGraphWrapper, whose own
-    __dict__ does not carry the substitutes; `get_model()` unwraps it (scripts/repo_checks.py
-    keeps the repository from reading the attribute directly)."""
-    from types import SimpleNamespace
-
-    from vllm.compilation.cuda_graph import CUDAGraphWrapper
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from vllm_subspec.draft_model.model import SubstituteSet
-
-    target = torch.nn.Linear(2, 2)
-    SubstituteSet(num_layers=1).attach_to(target)
-    wrapper = object.__new__(CUDAGraphWrapper)  # its __init__ needs a CUDA platform
-    wrapper.__dict__["runnable"] = target
-    runner = SimpleNamespace(model=wrapper)
-    assert SubstituteSet.of(runner.model) is None
-    assert SubstituteSet.of(GPUModelRunner.get_model(runner)) is not None
-
-
 def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(vllm_caplog):
     """`{"method": "subspec"}` on vLLM's CPU backend (nothing offloaded): the draft is the 4-bit
     model, not the full-precision target; an explicit substitute_layers still wins."""
@@ -459,26 +435,26 @@ def test_cpu_default_substitutes_every_layer_when_nothing_is_offloaded(vllm_capl
 
     from vllm.config.offload import OffloadConfig
 
-    from vllm_subspec.draft_model.model import SubstituteSet, attach_substitutes
+    from vllm_subspec.draft_model.substitute_set import build_substitute_set
 
     cfg = SimpleNamespace(offload_config=OffloadConfig(),
                           scheduler_config=SimpleNamespace(max_num_seqs=4))
     model = _model(num_layers=3, h=128)
-    with vllm_caplog.at_level("INFO", logger="vllm.vllm_subspec.draft_model.model"):
-        attach_substitutes(model, SubSpecOptions(quantizer="rtn"), cfg, CPU)
-    assert sorted(SubstituteSet.of(model).layers) == [0, 1, 2]
+    with vllm_caplog.at_level("INFO", logger="vllm.vllm_subspec.draft_model.substitute_set"):
+        subs = build_substitute_set(model, SubSpecOptions(quantizer="rtn"), cfg, CPU)
+    assert sorted(subs.layers) == [0, 1, 2]
     assert "every decoder layer gets a substitute" in vllm_caplog.text
     for layers, expected in (((), []), ((1,), [1])):
         model = _model(num_layers=3, h=128)
-        attach_substitutes(model, SubSpecOptions(quantizer="rtn", substitute_layers=layers),
-                           cfg, CPU)
-        assert sorted(SubstituteSet.of(model).layers) == expected
+        subs = build_substitute_set(
+            model, SubSpecOptions(quantizer="rtn", substitute_layers=layers), cfg, CPU)
+        assert sorted(subs.layers) == expected
 
 
 def test_gemlite_is_used_only_when_cuda_and_an_importable_gemlite_are_there(monkeypatch):
     import types
 
-    from vllm_subspec.draft_model.substitute import gemlite_available
+    from vllm_subspec.draft_model.kernels import gemlite_available
 
     assert not gemlite_available()  # no CUDA here
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -490,9 +466,9 @@ def test_gemlite_is_used_only_when_cuda_and_an_importable_gemlite_are_there(monk
 
 def test_the_draft_structure_keys_vllm_compile_artifacts():
     """vLLM keys its on-disk compile artifacts on the config's hash and the traced sources only;
-    the draft puts a digest of its structure in the config (vllm_hooks/draft_compile.py), which
-    changes with a substitute's kernel class, the substituted layers and the draft's lm_head."""
-    from vllm_subspec.draft_model.substitute import Int4CpuKernel
+    the draft's own config and model tag carry a digest of its structure
+    (vllm_hooks/draft_compile.py), which changes with a substitute's kernel class, the
+    substituted layers and the draft's lm_head."""
     from vllm_subspec.vllm_hooks.draft_compile import draft_structure
 
     def subs(kernel_cls, layers=(0, 1), head=False):

@@ -10,10 +10,12 @@ import pytest
 import torch
 from decoder_stub import decoder_stub
 
-import vllm_subspec.draft_model.substitute as substitute_mod
+import vllm_subspec.draft_model.gemlite_tuning as gemlite_tuning
+import vllm_subspec.draft_model.quantize as quantize_mod
 from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
-from vllm_subspec.draft_model.model import build_substitutes
-from vllm_subspec.draft_model.substitute import quantize
+from vllm_subspec.draft_model.kernels import GemliteKernel, Int4CpuKernel
+from vllm_subspec.draft_model.quantize import quantize
+from vllm_subspec.draft_model.substitute_set import build_substitutes
 from vllm_subspec.draft_model.substitute_cache import (
     SubstituteCache,
     default_root,
@@ -48,7 +50,7 @@ def _cache(model_dir, root, **opts):
 class _CountingQuantize:
     def __init__(self, monkeypatch):
         self.calls = []
-        monkeypatch.setattr(substitute_mod, "quantize", self)
+        monkeypatch.setattr(quantize_mod, "quantize", self)
 
     def __call__(self, weight, **kw):
         self.calls.append(tuple(weight.shape))
@@ -202,10 +204,10 @@ def test_gemlite_autotuning_is_kept_under_the_cache_folder_only_for_gemlite(monk
                                                                             tmp_path):
     """The GemLite autotune file sits under the `substitute_cache` folder (default or given),
     per device name; none when the cache is off or no substitute runs GemLite."""
-    monkeypatch.setattr(substitute_mod, "gemlite_autotune_file",
+    monkeypatch.setattr(gemlite_tuning, "gemlite_autotune_file",
                         lambda root, device: root / "gemlite-autotune" / f"{device}.json")
-    gemlite = object.__new__(substitute_mod.GemliteKernel)  # a GemLite kernel, unbuilt
-    int4 = substitute_mod.Int4CpuKernel(quantize(torch.randn(32, 64)), torch.bfloat16)
+    gemlite = object.__new__(GemliteKernel)  # a GemLite kernel, unbuilt
+    int4 = Int4CpuKernel(quantize(torch.randn(32, 64)), torch.bfloat16)
     monkeypatch.setenv("VLLM_SUBSPEC_CACHE_DIR", str(tmp_path / "default"))
     on = SubSpecOptions(substitute_cache=True)
     assert gemlite_autotune_path(on, [int4, gemlite], "cuda:0") == \

@@ -15,13 +15,13 @@ from vllm_subspec.step.tree import TreeBatch, TreeShape
 from vllm_subspec.step.paged_kv import CpuVecLayout, cpu_layout, logical_to_slots
 from vllm_subspec.step.tree_attention import (
     SCRATCH_BLOCK,
-    TreeMask,
     TreePlan,
     TreeRows,
     _torch_rows,
     apply_tree_attention,
     cpu_scratch,
     tree_attention_rows,
+    tree_plan,
 )
 
 
@@ -366,10 +366,8 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(isa, block, dty
 
     impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the CPU reader
     impl.scale = scale
-    mask = TreeMask()
-    mask.attach(impl)
     output = torch.full((at, heads * d), 7.0, dtype=dtype)
-    with mask.active(TreePlan(rows)):
+    with tree_plan(TreePlan(rows)):
         apply_tree_attention(impl, SimpleNamespace(isa=isa), query, kv,
                              SimpleNamespace(block_table=tables), output)
     out = output.view(at, heads, d)
@@ -516,13 +514,11 @@ def test_the_scratch_layout_is_computed_once_per_forward(isa, monkeypatch):
     monkeypatch.setattr(ta, "cpu_scratch", lambda *a: built.append(1) or cpu_scratch(*a))
     impl = object.__new__(CPUAttentionBackendImpl)
     impl.scale = d ** -0.5
-    mask = TreeMask()
-    mask.attach(impl)
     for plans in ([TreePlan([rows])] * 2, [TreePlan([rows]), TreePlan([rows])]):
         built.clear()
         for kv, plan, expected in zip(layers, plans, own):
             output = torch.zeros(query.shape[0], heads * d, dtype=dtype)
-            with mask.active(plan):
+            with tree_plan(plan):
                 apply_tree_attention(impl, SimpleNamespace(isa=isa), query, kv,
                                      SimpleNamespace(block_table=table), output)
             assert torch.equal(output.view(-1, heads, d), expected)

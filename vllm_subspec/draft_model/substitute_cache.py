@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from vllm_subspec.draft_model.hqq import HQQ_RELEASE
-from vllm_subspec.draft_model.substitute import QuantizedWeight
+from vllm_subspec.draft_model.quantize import QuantizedWeight
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -51,9 +51,10 @@ def cache_root(setting) -> Path | None:
 
 
 def gemlite_autotune_path(options, kernels, device) -> Path | None:
-    """The file GemLite's autotuning is kept in across starts (`substitute.gemlite_autotune_kept`),
+    """The file GemLite's autotuning is kept in across starts (`gemlite_tuning.gemlite_autotune_kept`),
     or None: no GemLite kernel among `kernels`, or the cache is off."""
-    from vllm_subspec.draft_model.substitute import GemliteKernel, gemlite_autotune_file
+    from vllm_subspec.draft_model.gemlite_tuning import gemlite_autotune_file
+    from vllm_subspec.draft_model.kernels import GemliteKernel
 
     root = cache_root(options.substitute_cache)
     if root is None or not any(isinstance(k, GemliteKernel) for k in kernels):
@@ -233,7 +234,7 @@ def quantized_weights(jobs, options, device: torch.device, cache: SubstituteCach
     one linear's full-precision weight and codes are on `device` beyond the kernels built."""
     from tqdm import tqdm
 
-    from vllm_subspec.draft_model.substitute import quantize
+    from vllm_subspec.draft_model.quantize import quantize
 
     built, start = 0, time.perf_counter()
     for job, index, name, linear in tqdm(

@@ -21,42 +21,37 @@ from typing import Protocol
 import torch
 
 from vllm_subspec.step.tree import TreeBatch, TreeShape, sharpened_log_probs
-from vllm_subspec.step.tree_attention import TreeMask, TreePlan, TreeRows
+from vllm_subspec.step.tree_attention import TreePlan, TreeRows, tree_plan
 
 
 class DraftPasses(Protocol):
-    """The draft's forwards over one step's batch of B requests (logits: [rows, V])."""
+    """The draft's forwards over one step's batch of B requests: each returns the hidden
+    states of its rows ([rows, H]; on CUDA a graph output the next pass overwrites), which
+    `logits` turns into [rows, V] through one of the draft's lm_heads."""
 
     batch_size: int
     max_model_len: int
     max_rows: int  # the most tokens one forward takes (vLLM's buffers: max_num_batched_tokens)
     on_device: bool  # CUDA: a host read is a sync, timings need `synchronize`
-    head: str | None  # the lm_head the passes draft with (None: the draft's only one)
-    keep_hidden: bool  # each pass keeps its rows' hidden states (`last_hidden`)
 
     def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each request's bonus token at p + 1 -> (logits [B, V], the roots' positions L [B])."""
-
-    def last_hidden(self) -> torch.Tensor:
-        """With keep_hidden: [rows, H] the draft's final hidden states of the last pass's rows,
-        valid until the next pass (on CUDA a graph output it overwrites)."""
-
-    def rank_heads(self, hidden: torch.Tensor, top: int) -> dict[str, torch.Tensor]:
-        """lm_head -> [rows, top] the top tokens, best first, of each row of `hidden` ([rows, H],
-        kept by `last_hidden`) through each of the draft's heads (`shape_tuner.HeadComparison`)."""
-
-    def root_bounds(self, roots: torch.Tensor) -> list[int]:
-        """Upper bounds of the roots' positions on the host, known without reading `roots` on a
-        device (a sync); exact where reading them is free (CPU)."""
+        """Each request's bonus token at p + 1 -> (hidden [B, H], the roots' positions L [B])."""
 
     def chain_pass(self, index: int, input_ids: torch.Tensor) -> torch.Tensor:
-        """Chain pass `index` >= 1: one token per request, one position further -> [B, V]."""
+        """Chain pass `index` >= 1: one token per request, one position further."""
 
     def level_pass(self, depth: int, width: int, tokens: torch.Tensor,
                    active: list[int] | None) -> torch.Tensor:
         """The k depth-`depth` nodes ([R * k] tokens) of the R requests `active` (batch
-        indices; None: all B), in slots L + level(depth), at position L + depth ->
-        [R * k, V]. The caller activates the tree mask around it."""
+        indices; None: all B), in slots L + level(depth), at position L + depth. The caller
+        makes the tree plan active around it (`tree_attention.tree_plan`)."""
+
+    def logits(self, hidden: torch.Tensor, lm_head: str | None) -> torch.Tensor:
+        """[rows, V] through `lm_head` ("target", "quantized"; None: the draft's only one)."""
+
+    def root_bounds(self, roots: torch.Tensor) -> list[int]:
+        """Upper bounds of the roots' positions on the host, known without reading `roots` on a
+        device (a sync); exact where reading them is free (CPU)."""
 
     def copy_to_host(self, tensor: torch.Tensor) -> HostCopy:
         """Start copying a device tensor to the host without waiting (on a device only)."""
@@ -117,7 +112,7 @@ class TreeDraft:
     level_forwards: int  # forwards over those levels (more than levels where one was split)
     # with `keep_hidden` = n: [min(n, B), nodes, H] the draft's hidden state after each node a
     # pass ran from, of the first n requests (nodes of depth < reached; zeros elsewhere), for
-    # the heads' comparison after the verify
+    # the lm_heads' comparison after the verify
     node_hidden: torch.Tensor | None = None
 
     @property
@@ -125,12 +120,14 @@ class TreeDraft:
         return 1 + self.level_forwards
 
 
-def draft_chain(passes: DraftPasses, next_token_ids: torch.Tensor, depth: int) -> ChainDraft:
+def draft_chain(passes: DraftPasses, next_token_ids: torch.Tensor, depth: int,
+                lm_head: str | None = None) -> ChainDraft:
     """Argmax drafting (sharpening does not change an argmax), `depth` tokens per request."""
-    logits, _ = passes.bonus_pass(next_token_ids)
-    drafts = [logits.argmax(dim=-1)]
+    hidden, _ = passes.bonus_pass(next_token_ids)
+    drafts = [passes.logits(hidden, lm_head).argmax(dim=-1)]
     for index in range(1, depth):
-        drafts.append(passes.chain_pass(index, drafts[-1]).argmax(dim=-1))
+        hidden = passes.chain_pass(index, drafts[-1])
+        drafts.append(passes.logits(hidden, lm_head).argmax(dim=-1))
     return ChainDraft(torch.stack(drafts, dim=1), depth)
 
 
@@ -139,30 +136,21 @@ DraftingNext = Callable[[torch.Tensor, list[int]], list[int]]
 
 
 def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeShape,
-               mask: TreeMask, temperature: float, drafting_next: DraftingNext | None = None,
+               temperature: float, lm_head: str | None = None,
+               drafting_next: DraftingNext | None = None,
                clock: Callable[[], float] = time.perf_counter, keep_hidden: int = 0
                ) -> TreeDraft:
-    """Grow this step's trees to `shape.depth` at most.
+    """Grow this step's trees to `shape.depth` at most, drafting through `lm_head`.
 
-    drafting_next: asked which requests draft on, every depth on CPU; on a device every 4
-    depths, with the masses of an earlier check that have landed on the host
-    (`FrontierReads`: no sync); those left out stop (their later nodes stay dead), and
-    drafting ends when none is left. None: all go on.
-    keep_hidden: > 0: for the first `keep_hidden` requests, keep the draft's hidden state after
-    each node a pass ran from (`TreeDraft.node_hidden`; after the verify the tuner ranks the
-    target's draws along the accepted paths by both lm_heads there, paired:
-    `shape_tuner.HeadComparison`, so only those few rows go through the head that did not
-    draft); the passes must keep them (`DraftPasses.keep_hidden`).
-    A request whose next level would pass max_model_len stops there too (by the bound of its
-    root's position on a device, so perhaps a level early); the others go on (`reached` says
-    how deep each got). On a device nothing inside the passes reads the device but
-    the roots stay there (each request's tree rows take its root as a 0-d tensor), index
-    tensors are copied from pinned memory without waiting (`device_index`), and the masses
-    come back without waiting."""
+    drafting_next: which requests draft on (`FrontierReads`: every depth on CPU, every 4 on
+    a device, without a sync); None: all go on. keep_hidden: keep the first n requests'
+    hidden states after each node a pass ran from (`TreeDraft.node_hidden`). A request stops
+    before a level that would pass max_model_len; `reached` says how deep each got."""
     b, k = passes.batch_size, shape.width
     check_every = 4 if passes.on_device else 1
     start = clock()
-    logits, root_pos = passes.bonus_pass(next_token_ids)
+    root_hidden, root_pos = passes.bonus_pass(next_token_ids)
+    logits = passes.logits(root_hidden, lm_head)
     bounds = passes.root_bounds(root_pos)  # host, without a device read
     # each request's root for its tree rows: exact ints on CPU, 0-d device tensors on a device
     roots = list(root_pos.unbind()) if passes.on_device else bounds
@@ -170,10 +158,9 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
     tree.grow(sharpened_log_probs(logits, temperature))
     hidden = None
     if keep_hidden:  # [n, nodes, H]: the root's row now, each level's after its pass
-        root_hidden = passes.last_hidden()[: keep_hidden]
-        hidden = root_hidden.new_zeros(len(root_hidden), tree.tokens.shape[1],
-                                       root_hidden.shape[-1])
-        hidden[:, 0] = root_hidden
+        kept = root_hidden[: keep_hidden]
+        hidden = kept.new_zeros(len(kept), tree.tokens.shape[1], kept.shape[-1])
+        hidden[:, 0] = kept
     root_seconds = None if passes.on_device else clock() - start
     active = list(range(b))  # the requests still drafting (host)
     rows = None  # their indices on the device; None while all are
@@ -199,7 +186,7 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
         if len(fits) < len(active):
             active = fits
             rows = device_index(active, root_pos.device)
-        logits, forwards = _level_logits(passes, tree, mask, d, roots, active, rows, hidden)
+        logits, forwards = _level_logits(passes, tree, d, roots, active, rows, lm_head, hidden)
         tree.grow(sharpened_log_probs(logits, temperature).view(len(active), k, -1), rows)
         pass_rows.append(len(active) * k)
         level_forwards += forwards
@@ -217,13 +204,13 @@ def device_index(values: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
-                  roots: list, active: list[int], rows: torch.Tensor | None,
+def _level_logits(passes: DraftPasses, tree: TreeBatch, d: int, roots: list,
+                  active: list[int], rows: torch.Tensor | None, lm_head: str | None,
                   hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """The draft's logits at the k depth-d nodes of the `active` requests ([R * k, V]), and
+    """The draft's logits at the k depth-d nodes of the `active` requests ([R * k, V]) and
     the forwards that took: one, or one per group of requests when R * k rows would not fit
-    one forward (max_num_seqs x k can exceed vLLM's max_num_batched_tokens). hidden: the
-    hidden state after each node (`draft_tree`'s node_hidden), filled in at the level."""
+    one forward (max_num_seqs x k can exceed vLLM's max_num_batched_tokens). hidden:
+    `draft_tree`'s kept hidden states, filled in at this level."""
     k, level = tree.shape.width, tree.shape.level(d)
     per_pass = max(1, passes.max_rows // k)
     groups = [active] if len(active) <= per_pass else \
@@ -237,12 +224,12 @@ def _level_logits(passes: DraftPasses, tree: TreeBatch, mask: TreeMask, d: int,
         # a chain's ancestor-only mask is the causal one: the backend's result stands
         plan = TreePlan([TreeRows(j, j * k, roots[i], tree.mask[i, level, : level.stop])
                          for j, i in enumerate(group)]) if k > 1 else None
-        with mask.active(plan):
-            logits.append(passes.level_pass(d, k, tree.frontier_tokens(group_rows).reshape(-1),
-                                            subset))
+        with tree_plan(plan):
+            out = passes.level_pass(d, k, tree.frontier_tokens(group_rows).reshape(-1), subset)
+        logits.append(passes.logits(out, lm_head))
         kept = 0 if hidden is None else sum(i < len(hidden) for i in group)  # group: in order
         if kept:  # [R, k, H]: rows are the requests' level nodes
-            h = passes.last_hidden().view(len(group), k, -1)[:kept]
+            h = out.view(len(group), k, -1)[:kept]
             if group_rows is None:  # group: every request
                 hidden[:, level] = h
             else:

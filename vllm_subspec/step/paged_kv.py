@@ -11,6 +11,7 @@ nothing is copied; the CPU backend's layout is checked against its own writer be
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -227,3 +228,33 @@ def move_kv(kv_caches: list[tuple[object, torch.Tensor, str | None]],
             continue
         seen.add(key)
         layout_for(impl, kv, isa).move(src, dst)
+
+
+@dataclass
+class KvMove:
+    """An accepted path to compact: its KV moves from slots L + path[j] to L + 1 + j."""
+
+    req_index: int
+    root: int  # L
+    path: list[int]  # accepted node indices (root excluded), not already in place
+
+
+@dataclass
+class PagedKv:
+    """Where a step's KV lives: each decoder layer's (attention impl, cache, CPU attention
+    ISA), and the runner's block table ([B, blocks] of `block_size` tokens) this step's slots
+    were computed from."""
+
+    caches: list[tuple[object, torch.Tensor, str | None]]
+    block_table: torch.Tensor
+    block_size: int
+
+
+def move_accepted_kv(moves: list[KvMove], kv: PagedKv) -> None:
+    """Each accepted path's KV from slots L + a_j to L + j, j = 1..m, in every layer."""
+    for move in moves:
+        row = kv.block_table[move.req_index]
+        src = move.root + torch.tensor(move.path, dtype=torch.int64, device=row.device)
+        dst = move.root + torch.arange(1, len(move.path) + 1, dtype=torch.int64,
+                                       device=row.device)
+        move_kv(kv.caches, row, kv.block_size, src, dst)

@@ -12,14 +12,14 @@ A step of a tree engine, as vLLM's model runner drives it (vllm_hooks/ makes the
 3. `verify_forward` around the target's forward: the plan is active for exactly that pass.
 4. `sample_and_walk` in place of vLLM's rejection sampler: sample, then match
                     (`verify.sample_then_match`): every emitted token is the target's draw.
-5. `compact`        each accepted path's KV moves from slots L + a_j to L + j, so the next
-                    step's prefix is contiguous (every step, drafted next or not).
+                    Then each accepted path's KV moves from slots L + a_j to L + j, so the
+                    next step's prefix is contiguous (every step, drafted next or not).
 
-The session owns what lives across those calls: the tree mask (shared with the target's
-attention layers), the pending and verifying trees, the shape tuner of an auto shape (fed only
-from here: draft, verify and rest-of-step times, and each verified tree's outcome), the step
-clock, and the statistics (`StepStats`). A chain (tree_width 1) uses only `propose`: vLLM's own
-rejection sampler verifies it.
+The session owns what lives across those calls: the pending and verifying trees, the verify's
+tree plan until its forward, the shape tuner of an auto shape (fed only from here: draft,
+verify and rest-of-step times, each verified tree's outcome, the lm_heads' paired ranks), the
+step clock, and the statistics (`StepStats`). A chain (tree_width 1) goes through the same
+calls: a chain is a tree of width 1, verified by sample-then-match too.
 """
 
 from __future__ import annotations
@@ -33,17 +33,15 @@ import torch
 
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.draft import DraftPasses, TreeDraft, draft_chain, draft_tree
-from vllm_subspec.step.paged_kv import move_kv
-from vllm_subspec.step.shape_tuner import COMPARED_REQUESTS, ShapeTuner, StepPlan
+from vllm_subspec.step.lm_head_choice import COMPARED_REQUESTS
+from vllm_subspec.step.paged_kv import PagedKv, move_accepted_kv
+from vllm_subspec.step.shape_tuner import ShapeTuner, StepPlan
 from vllm_subspec.step.tree import StoredTree, TreeShape
-from vllm_subspec.step.tree_attention import TreeMask, TreePlan, TreeRows
-from vllm_subspec.step.verify import (
-    KvMove,
-    VerifiedTree,
-    WalkResult,
-    chain_tree,
-    sample_then_match,
-)
+from vllm_subspec.step.tree_attention import TreePlan, TreeRows, tree_plan
+from vllm_subspec.step.verify import VerifiedTree, WalkResult, chain_tree, sample_then_match
+
+# (hidden states [rows, H], lm_head) -> [rows, V]: the draft's logits through that lm_head
+LmHeadLogits = Callable[[torch.Tensor, str], torch.Tensor]
 
 
 # A gap this long between two proposals is the engine waiting for requests, not a step.
@@ -54,7 +52,7 @@ IDLE_GAP_SECONDS = 5.0
 class StepStats:
     """Running totals over an engine's steps (benchmarks read them through collective_rpc)."""
 
-    draft_calls: int = 0  # proposals (steps that asked the drafter)
+    draft_steps: int = 0  # proposals (steps that asked the drafter)
     plain_steps: int = 0  # proposals that drafted nothing: plain decoding predicted faster
     draft_passes: int = 0  # draft forwards
     # wall time in `propose`; for a chain on a device the host's time (the stream is not waited
@@ -91,7 +89,6 @@ class StepSession:
                  clock: Callable[[], float] = time.perf_counter):
         self.options = options
         self.shape = TreeShape(options.tree_width, options.tree_depth)
-        self.mask = TreeMask()  # attached to the target's attention impls at load
         self.tuner = tuner
         self.clock = clock
         self.stats = StepStats()
@@ -99,7 +96,6 @@ class StepSession:
         self.verifying: dict[str, VerifiedTree] = {}  # this step's trees
         self._verify_plan: TreePlan | None = None  # this step's verify rows, until the forward
         self._verify_start: float | None = None
-        self._head_ranker: DraftPasses | None = None  # a compared step's passes, until its verify
         self._verify_seconds: float | None = None  # the last tree verify's, for the tuner
         self._last_draft_end: float | None = None
 
@@ -107,7 +103,7 @@ class StepSession:
     def from_options(cls, options: SubSpecOptions) -> StepSession:
         """An auto shape gets a tuner measuring this engine's costs."""
         tuner = ShapeTuner(options.widths, options.tree_depth, options.auto_width,
-                           options.auto_depth, heads=options.draft_heads) \
+                           options.auto_depth, lm_heads=options.draft_lm_heads) \
             if options.is_auto and options.is_tree else None
         return cls(options, tuner)
 
@@ -124,7 +120,8 @@ class StepSession:
         chain that vLLM's per-position rules (a grammar's masks) apply to exactly."""
         start = self.clock()
         if not self.options.is_tree:
-            chain = draft_chain(passes, next_token_ids, num_speculative_tokens)
+            chain = draft_chain(passes, next_token_ids, num_speculative_tokens,
+                                self.options.draft_lm_heads[0])
             drafts, num_passes = chain.tokens, chain.passes
             self.stats.tree_width, self.stats.tree_depth = 1, num_speculative_tokens
         else:
@@ -136,7 +133,7 @@ class StepSession:
         # auto shape's tuner too, and a chain's drafts are consumed on the stream
         end = self.clock()
         self._clock_rest_of_step(start, end)
-        self.stats.draft_calls += 1
+        self.stats.draft_steps += 1
         self.stats.draft_passes += num_passes
         self.stats.draft_seconds += end - start
         return drafts
@@ -149,16 +146,14 @@ class StepSession:
             return [[] for _ in req_ids], 0
         tuner, k = self.tuner, plan.shape.width
         self.stats.tree_width = k
-        if plan.head is not None:
-            passes.head = plan.head
-        compared = min(COMPARED_REQUESTS, len(req_ids)) if plan.compare_heads else 0
-        passes.keep_hidden = compared > 0
-        # the heads rank the accepted paths' draws after the verify, through these passes
-        self._head_ranker = passes if plan.compare_heads else None
+        lm_head = plan.lm_head or self.options.draft_lm_heads[0]
+        # a compared step keeps its first requests' hidden states until their verify, where
+        # both lm_heads rank the target's draws along the accepted paths (`_compare_lm_heads`)
+        compared = min(COMPARED_REQUESTS, len(req_ids)) if plan.compare_lm_heads else 0
         adaptive = tuner is not None and plan.adaptive and not plan.full_depth
         start = self.clock()
-        draft = draft_tree(passes, next_token_ids, plan.shape, self.mask,
-                           self.options.draft_temperature,
+        draft = draft_tree(passes, next_token_ids, plan.shape, self.options.draft_temperature,
+                           lm_head,
                            (lambda log_mass, reached: tuner.drafting_next(log_mass, k, reached))
                            if adaptive else None, clock=self.clock,
                            keep_hidden=compared)
@@ -173,7 +168,7 @@ class StepSession:
         passes.synchronize()
         tuner.observe_draft(k, len(req_ids), draft.pass_rows, self.clock() - start,
                             draft.root_seconds)
-        pending = self._keep_pending(req_ids, draft, chain_only, log_mass, plan.head)
+        pending = self._keep_pending(req_ids, draft, chain_only, log_mass, lm_head)
         depths = tuner.verify_depths(log_mass, k, draft.reached)
         self.stats.tree_depth = max(depths)
         return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, depths)], draft.passes
@@ -240,18 +235,23 @@ class StepSession:
         plan, self._verify_plan = self._verify_plan, None  # the plan is one forward's
         drafted = any(v.compact for v in self.verifying.values())  # chains have no plan rows
         self._verify_start = self.clock() if drafted else None
-        with self.mask.active(plan):
+        with tree_plan(plan):
             yield
 
-    # ---- 4. sample, then match -----------------------------------------------------------
+    # ---- 4. sample, then match; move the accepted paths' KV -----------------------------
     def sample_and_walk(self, req_ids: list[str], num_draft: list[int], logits: torch.Tensor,
-                        sampling_metadata, topk_topp_sampler,
-                        max_rows: int | None = None) -> WalkResult:
+                        sampling_metadata, topk_topp_sampler, kv: Callable[[], PagedKv],
+                        max_rows: int | None = None,
+                        lm_head_logits: LmHeadLogits | None = None) -> WalkResult:
         """logits: [sum(num_draft) + B, V] the target's, each request's root row first;
-        max_rows: the most rows drawn at once (`verify.sample_then_match`)."""
+        kv: where the step's KV lives (asked for when a path moves); max_rows: the most rows
+        drawn at once (`verify.sample_then_match`); lm_head_logits: the draft's heads, for a
+        compared step's ranks."""
         trees = [self.verifying.get(rid) if n else None for rid, n in zip(req_ids, num_draft)]
         walk = sample_then_match(trees, num_draft, logits, sampling_metadata, topk_topp_sampler,
                                  max_rows)
+        if walk.moves:  # the next step's prefix is contiguous
+            move_accepted_kv(walk.moves, kv())
         drafted = [(v, path, n, emitted) for v, path, n, emitted
                    in zip(trees, walk.paths, num_draft, walk.tokens) if v is not None and v.compact]
         self.stats.verified_trees += len(drafted)
@@ -261,8 +261,11 @@ class StepSession:
             for v, path, n, emitted in drafted:
                 self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, len(path),
                                         n // v.tree.width)
-            self._compare_heads([(v.tree, [0, *path], emitted) for v, path, _, emitted
-                                 in drafted if v.tree.node_hidden is not None], max_rows)
+            if lm_head_logits is not None:
+                self._compare_lm_heads([(v.tree, [0, *path], emitted)
+                                        for v, path, _, emitted in drafted
+                                        if v.tree.node_hidden is not None],
+                                       max_rows, lm_head_logits)
         if self._verify_start is not None:
             seconds = self.clock() - self._verify_start
             self.stats.verify_seconds += seconds
@@ -274,16 +277,16 @@ class StepSession:
         self.verifying = {}
         return walk
 
-    def _compare_heads(self, paths: list[tuple[StoredTree, list[int], torch.Tensor]],
-                       max_rows: int | None) -> None:
-        """Score both lm_heads on the same target draws, paired (`HeadComparison`): along
+    def _compare_lm_heads(self, paths: list[tuple[StoredTree, list[int], torch.Tensor]],
+                       max_rows: int | None, lm_head_logits: LmHeadLogits) -> None:
+        """Score both lm_heads on the same target draws, paired (`LmHeadComparison`): along
         each accepted path (the root, then the accepted nodes), the rank of the target's draw
         after each node a pass ran from among each head's top tokens there. The drafts along
         the path are the target's own tokens, so the draft's hidden states there are the same
         whichever head drafted; only these rows go through the heads (in chunks of max_rows,
         as the verify draws), not every row of every pass."""
-        ranker, self._head_ranker = self._head_ranker, None
-        if ranker is None or not paths:
+        heads = self.tuner.lm_heads
+        if heads is None or not paths:
             return
         hidden, draws = [], []
         for tree, nodes, emitted in paths:
@@ -297,26 +300,11 @@ class StepSession:
             return
         rows, top = torch.cat(hidden), max(self.tuner.widths)
         chunk = max_rows or len(draws)
-        tops: dict[str, list[list[int]]] = {}
+        tops: dict[str, list[list[int]]] = {h: [] for h in heads.heads}
         for start in range(0, len(draws), chunk):
-            for h, t in ranker.rank_heads(rows[start: start + chunk], top).items():
-                tops.setdefault(h, []).extend(t.tolist())
+            for h in heads.heads:
+                logits = lm_head_logits(rows[start: start + chunk], h)
+                tops[h].extend(logits.topk(top, dim=-1).indices.tolist())
         for j, drawn in enumerate(draws):
-            self.tuner.observe_heads({h: t[j].index(drawn) if drawn in t[j] else None
-                                      for h, t in tops.items()})
-
-    # ---- 5. compact ----------------------------------------------------------------------
-    @staticmethod
-    def compact(moves: list[KvMove], kv_caches: list[tuple[object, torch.Tensor, str | None]],
-                block_table: torch.Tensor, block_size: int) -> None:
-        """Move each accepted path's KV (slots L + a_j) to slots L + j, j = 1..m, in every
-        layer. kv_caches: (attention impl, per-layer cache, CPU attention ISA); block_table:
-        [B, blocks] of `block_size` tokens, the runner's table this step's slots were computed
-        from."""
-        for move in moves:
-            row = block_table[move.req_index]
-            src = move.root + torch.tensor(move.path, dtype=torch.int64, device=row.device)
-            dst = move.root + torch.arange(1, len(move.path) + 1, dtype=torch.int64,
-                                           device=row.device)
-            move_kv(kv_caches, row, block_size, src, dst)
-
+            heads.observe_ranks({h: t[j].index(drawn) if drawn in t[j] else None
+                                 for h, t in tops.items()})

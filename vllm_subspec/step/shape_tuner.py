@@ -28,7 +28,7 @@ what a request outputs.
   (`verify_depths`: a depth whose verify rows cost more than they are expected to yield is not
   verified; on a GPU with offloading verify rows are almost free and nothing is cut);
   and, when the draft holds two lm_heads (`draft_lm_head: "auto"`), which one drafts
-  (`HeadComparison`: both heads scored in pairs on the same target draws at every node of
+  (`lm_head_choice`: both heads scored in pairs on the same target draws at every node of
   accepted paths, per width; the heads' costs per row measured at load, the cheaper drafting
   first).
 """
@@ -40,63 +40,18 @@ import logging
 
 import torch
 
+from vllm_subspec.step.linear_cost import DECAY, LinearCost
+from vllm_subspec.step.lm_head_choice import LmHeadChoice
 from vllm_subspec.step.tree import TreeShape
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
-DECAY = 0.98  # per observation: statistics follow the workload over the last ~50 steps
 RECHOOSE_EVERY = 16  # steps between shape choices
 EXPLORE_STEPS = 4  # verified trees of each candidate width before the first choice
 REEXPLORE_EVERY = 8  # every n-th choice period has one step of the least-recently-run width
 FULL_DEPTH_EVERY = 16  # every n-th step drafts past D_max: observations past the usual stop
 MAX_PROBE_EVERY = 512  # while plain decoding keeps winning, probe steps back off to this
-COMPARE_UNTIL = 64  # paired head observations (decayed) compared at every drafting step ...
-COMPARE_EVERY = 8  # ... then at one drafting step in this many
-COMPARED_REQUESTS = 4  # the first requests of a compared step score both heads (memory bound)
-HEAD_DECAY = 0.995  # per paired observation (several per step): the last ~200 nodes
 HEAD_SWITCH_GAIN = 1.02  # another head must be predicted this much faster: no flapping on noise
-
-
-class LinearCost:
-    """seconds = a + b * rows, fitted by exponentially weighted least squares (b >= 0, a >= 0).
-    With too little spread in rows to separate a and b, the cost is taken as proportional to
-    rows: an upper bound on the marginal cost of a row, never a negative one."""
-
-    def __init__(self, decay: float = DECAY):
-        self.decay = decay
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-
-    def add(self, rows: float, seconds: float) -> None:
-        d = self.decay
-        self.n = d * self.n + 1.0
-        self.sx = d * self.sx + rows
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + rows * rows
-        self.sxy = d * self.sxy + rows * seconds
-
-    @property
-    def known(self) -> bool:
-        return self.n > 0
-
-    def coefficients(self) -> tuple[float, float]:
-        if not self.known:
-            return 0.0, 0.0
-        mx, my = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mx * mx
-        if var <= 1e-6 * max(mx * mx, 1.0):  # one row count seen: no slope to fit
-            return (my, 0.0) if mx < 1e-9 else (0.0, my / mx)
-        b = max((self.sxy / self.n - mx * my) / var, 0.0)
-        a = my - b * mx
-        if a < 0:  # through the origin
-            return 0.0, self.sxy / max(self.sxx, 1e-12)
-        return a, b
-
-    def __call__(self, rows: float) -> float:
-        a, b = self.coefficients()
-        return a + b * rows
-
-    def per_row(self) -> float:
-        return self.coefficients()[1]
 
 
 class MassCalibration:
@@ -159,7 +114,7 @@ class WidthAcceptance:
         """[max_depth] P(accepted length >= j), j = 1..max_depth. Each depth's rate has the
         depth before's rate as its prior, worth one observation (a tree that survived to depth j
         is about as likely to go on as one at j - 1); depth 1's prior is 0.5. scale: each
-        depth's rate times this (another lm_head's, `HeadComparison.scale`), at most 1."""
+        depth's rate times this (another lm_head's, `LmHeadComparison.scale`), at most 1."""
         rate, prior = [], 0.5  # Python floats: the same float64 arithmetic, no tensor ops
         for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
             prior = (hits + prior) / (trials + 1.0)
@@ -172,50 +127,6 @@ class WidthAcceptance:
         self.hits = torch.minimum(self.hits * scale, self.trials)
 
 
-class HeadComparison:
-    """Acceptance of each of the draft's lm_heads at each width, measured in pairs: a
-    compared step keeps the draft's hidden states of its first `COMPARED_REQUESTS` trees, and
-    once the target has walked a tree, each node of its accepted path (the root included) a
-    pass ran from is one observation: the rank of the target's draw after that node among
-    each head's top tokens there (counted accepted at width w iff rank < w: the node's w best
-    children); only those nodes go through the heads (`session.StepSession`). Along the
-    accepted path the drafts are the target's own tokens, so the draft's hidden states there
-    do not depend on which head drafted: both heads are scored on the same draws, and the
-    head that does not draft is measured without drafting with it. The ratio of the two
-    heads' rates at a width scales every depth's acceptance of the drafting head (`scale`):
-    a model, corrected by what the chosen head then measures. A switch is judged on the
-    other head's rate less one standard error of the paired difference (`doubt`: from the
-    observations where only one head was right), so noise does not make the heads flap."""
-
-    def __init__(self, heads: tuple[str, ...], widths: tuple[int, ...] = (1,),
-                 decay: float = HEAD_DECAY):
-        self.decay = decay
-        self.widths = widths
-        self.n = 0.0
-        self.hits = {h: {w: 0.0 for w in widths} for h in heads}
-        self.discordant = {w: 0.0 for w in widths}  # observations where the heads disagree
-
-    def add(self, ranks: dict[str, int | None]) -> None:
-        """One node of an accepted path: the rank of the target's draw after it among each
-        head's top tokens (0: its first; None: not among those ranked)."""
-        self.n = self.decay * self.n + 1.0
-        for w in self.widths:
-            right = {h: ranks[h] is not None and ranks[h] < w for h in self.hits}
-            for h, hits in self.hits.items():
-                hits[w] = self.decay * hits[w] + float(right[h])
-            self.discordant[w] = self.decay * self.discordant[w] + float(
-                len(set(right.values())) > 1)
-
-    def rate(self, head: str, width: int) -> float:
-        return (self.hits[head][width] + 1.0) / (self.n + 2.0)  # prior 1/2, worth two roots
-
-    def scale(self, head: str, drafting: str, width: int, doubt: float = 0.0) -> float:
-        """P(accepted) with `head` over P(accepted) with `drafting`, per depth, at `width`;
-        doubt: `head`'s rate lowered by that many standard errors of the paired difference."""
-        error = doubt * (self.discordant[width] + 1.0) ** 0.5 / (self.n + 2.0)
-        return max(self.rate(head, width) - error, 0.0) / self.rate(drafting, width)
-
-
 @dataclasses.dataclass
 class StepCosts:
     """The cost model a tuner decides with: each cost is called with a row count and returns
@@ -224,15 +135,12 @@ class StepCosts:
     draft_pass: dict  # width -> cost of a pass over that many rows (0: the root passes, B rows)
     verify: dict  # width -> the target's pass over width-w trees
     other: LinearCost  # rest of a step (scheduling, sampling): a constant
-    # lm_head -> the cost of its logits over that many rows (measured at load; only the
-    # difference between two heads is used, added to the measured passes)
-    head: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def measured(cls, widths: tuple[int, ...], heads: tuple[str, ...] = ()) -> StepCosts:
+    def measured(cls, widths: tuple[int, ...]) -> StepCosts:
         """Fitted online from this engine's own timings."""
         return cls({w: LinearCost() for w in (0, *widths)}, {w: LinearCost() for w in widths},
-                   LinearCost(), {h: LinearCost() for h in heads})
+                   LinearCost())
 
 
 @dataclasses.dataclass
@@ -242,8 +150,8 @@ class StepPlan:
     shape: TreeShape  # width k and the deepest depth allowed (D_max); depth 0: draft nothing
     adaptive: bool  # may stop before D_max
     full_depth: bool  # an exploration step: drafts to D_max whatever the costs say
-    head: str | None = None  # the lm_head to draft with (None: the draft's only one)
-    compare_heads: bool = False  # the other head proposes at the root too (`HeadComparison`)
+    lm_head: str | None = None  # the lm_head to draft with (None: the draft's only one)
+    compare_lm_heads: bool = False  # score both lm_heads on this step's accepted paths
 
 
 class ShapeTuner:
@@ -256,17 +164,14 @@ class ShapeTuner:
 
     def __init__(self, widths: tuple[int, ...], max_depth: int, auto_width: bool,
                  auto_depth: bool, costs: StepCosts | None = None,
-                 heads: tuple[str, ...] = ()):
+                 lm_heads: tuple[str, ...] = ()):
         self.widths = widths
         self.max_depth = max_depth
         self.auto_width, self.auto_depth = auto_width, auto_depth
-        # the draft's lm_heads (two: this tuner picks one; `HeadComparison`), the first first
-        self.heads = heads
-        self.head = heads[0] if heads else None
-        self.heads_compared = HeadComparison(heads, widths)
-        self.drafting_steps = 0  # steps that drafted: the comparison's schedule
-        self.start_rows = 0  # rows the first head was chosen at (`start_with_cheaper_head`)
-        self.use_costs(costs or StepCosts.measured(widths, heads))
+        # the draft's lm_heads: with two, this tuner picks the one that drafts
+        self.lm_heads = LmHeadChoice(lm_heads, widths) if len(lm_heads) > 1 else None
+        self._only_lm_head = lm_heads[0] if len(lm_heads) == 1 else None
+        self.costs = costs or StepCosts.measured(widths)
         self.calibration = MassCalibration()
         self.acceptance = {w: WidthAcceptance(max_depth) for w in widths}
         self.width = max(widths)
@@ -281,11 +186,13 @@ class ShapeTuner:
         self.next_probe = 0
 
     def use_costs(self, costs: StepCosts) -> None:
-        """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark);
-        before the first drafting step the first head is chosen again with them."""
+        """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark)."""
         self.costs = costs
-        if self.start_rows and self.drafting_steps == 0:
-            self.start_with_cheaper_head(self.start_rows)
+
+    @property
+    def lm_head(self) -> str | None:
+        """The lm_head that drafts (None: the draft's only one)."""
+        return self.lm_heads.current if self.lm_heads is not None else self._only_lm_head
 
     @property
     def draft_pass(self) -> dict:
@@ -302,11 +209,9 @@ class ShapeTuner:
     # ---- across steps: the shape ---------------------------------------------------------
     def plan_step(self, batch_size: int) -> StepPlan:
         plan = self._plan_shape(batch_size)
-        plan.head = self.head
-        if plan.shape.depth > 0 and len(self.heads) > 1:
-            self.drafting_steps += 1
-            plan.compare_heads = (self.heads_compared.n < COMPARE_UNTIL
-                                  or self.drafting_steps % COMPARE_EVERY == 0)
+        plan.lm_head = self.lm_head
+        if plan.shape.depth > 0 and self.lm_heads is not None:
+            plan.compare_lm_heads = self.lm_heads.compare_this_step()
         return plan
 
     def _plan_shape(self, batch_size: int) -> StepPlan:
@@ -367,26 +272,17 @@ class ShapeTuner:
         pass over their mean does), and the verify of B + `nodes` rows. head: drafting with
         this lm_head instead of the current one (the passes were measured with that)."""
         later = passes * self.draft_pass[width](pass_rows / passes) if passes else 0.0
-        if head is not None and head != self.head:
-            later += self._head_extra(head, batch_size)
+        if head is not None and head != self.lm_head:
+            later += self.lm_heads.extra_seconds(head, batch_size)
             if passes:
-                later += passes * self._head_extra(head, pass_rows / passes)
+                later += passes * self.lm_heads.extra_seconds(head, pass_rows / passes)
         return max(self.other(0) + self.draft_pass[0](batch_size) + later
                    + self.verify[width](batch_size + nodes), 1e-9)
-
-    def _head_extra(self, head: str, rows: float) -> float:
-        """Seconds a pass over `rows` rows takes more with `head` than with the current head
-        (negative: less); 0 where either was not measured."""
-        costs = self.costs.head
-        if head not in costs or self.head not in costs or not (
-                costs[head].known and costs[self.head].known):
-            return 0.0
-        return costs[head](rows) - costs[self.head](rows)
 
     def _choose(self, batch_size: int) -> None:
         widths = self.widths if self.auto_width else (self.width,)
         depths = range(1, self.max_depth + 1) if self.auto_depth else (self.depth,)
-        best, rate = self._best_shape(batch_size, widths, depths, self.head)
+        best, rate = self._best_shape(batch_size, widths, depths, self.lm_head)
         head = self._choose_head(batch_size, widths, depths, rate)
         if head is not None:
             best, rate = self._best_shape(batch_size, widths, depths, head)
@@ -412,9 +308,9 @@ class ShapeTuner:
     def _best_shape(self, batch_size: int, widths, depths, head: str | None,
                     doubt: float = 0.0) -> tuple[tuple[int, int], float]:
         """The (width, depth) of the highest predicted rate with `head` drafting, and that
-        rate (doubt: `HeadComparison.scale`'s, for another head)."""
+        rate (doubt: `LmHeadComparison.scale`'s, for another head)."""
         reach = {w: self.acceptance[w].reach(
-            1.0 if head == self.head else self.heads_compared.scale(head, self.head, w, doubt)
+            1.0 if self.lm_heads is None else self.lm_heads.acceptance_scale(head, w, doubt)
         ).tolist() for w in widths}  # once per width
         rates = {(w, d): self.predicted_rate(w, d, batch_size, reach[w], head)
                  for w in widths for d in depths}
@@ -423,24 +319,18 @@ class ShapeTuner:
 
     def _choose_head(self, batch_size: int, widths, depths, rate: float) -> str | None:
         """Another lm_head, if it is predicted HEAD_SWITCH_GAIN x faster than the current
-        one's best rate `rate` even with its acceptance one standard error lower (from at
-        least COMPARE_UNTIL / 2 paired observations)."""
-        if len(self.heads) < 2 or self.heads_compared.n < COMPARE_UNTIL / 2:
+        one's best rate `rate` even with its acceptance one standard error lower."""
+        if self.lm_heads is None or not self.lm_heads.can_switch():
             return None
         others = {h: self._best_shape(batch_size, widths, depths, h, doubt=1.0)[1]
-                  for h in self.heads if h != self.head}
+                  for h in self.lm_heads.others()}
         head = max(others, key=others.get)
         return head if others[head] > HEAD_SWITCH_GAIN * rate else None
 
     def _switch_head(self, head: str) -> None:
-        compared = self.heads_compared
         for w, acceptance in self.acceptance.items():
-            acceptance.rescale(compared.scale(head, self.head, w))
-        logger.info("vllm-subspec: drafting with the %s lm_head (acceptance at widths "
-                    "%s: %s vs %s with the %s one, paired)", head, list(self.widths),
-                    [round(compared.rate(head, w), 3) for w in self.widths],
-                    [round(compared.rate(self.head, w), 3) for w in self.widths], self.head)
-        self.head = head
+            acceptance.rescale(self.lm_heads.acceptance_scale(head, w))
+        self.lm_heads.switch(head)
 
     # ---- within a step: the depth --------------------------------------------------------
     def _step_so_far(self, p: torch.Tensor, width: int, reached: list[int]) -> tuple[float, float]:
@@ -519,32 +409,6 @@ class ShapeTuner:
     def observe_verify(self, width: int, rows: int, seconds: float) -> None:
         self.verify[width].add(rows, seconds)
 
-    def observe_heads(self, ranks: dict[str, int | None]) -> None:
-        """One target draw on an accepted path, ranked by each head (`HeadComparison.add`)."""
-        self.heads_compared.add(ranks)
-
-    def observe_head_cost(self, head: str, rows: int, seconds: float) -> None:
-        """The logits of `rows` rows through `head` took `seconds` (timed at load)."""
-        self.costs.head[head].add(rows, seconds)
-
-    def start_with_cheaper_head(self, rows: int) -> None:
-        """Before the first step: draft with the lm_head whose logits over `rows` rows were
-        timed cheaper (`observe_head_cost`). Before any paired observation the heads' acceptance
-        is taken as equal, so the cheaper head is predicted faster; the comparison then decides
-        (`_choose_head`). On CPU the target's bf16 head is a large share of a draft pass; on a
-        GPU the difference is small and the comparison soon settles on the better acceptance."""
-        self.start_rows = rows
-        costs = self.costs.head
-        if len(self.heads) < 2:
-            return
-        if not all(h in costs and costs[h].known for h in self.heads):  # untimed: in order
-            self.head = self.heads[0]
-        else:
-            self.head = min(self.heads, key=lambda h: (costs[h](rows), self.heads.index(h)))
-            logger.info("vllm-subspec: drafting with the %s lm_head first (its logits timed "
-                        "cheapest: %s)", self.head, ", ".join(
-                            f"{h} {1e3 * costs[h](rows):.2f} ms" for h in self.heads))
-
     def observe_other(self, seconds: float) -> None:
         self.other.add(0, max(seconds, 0.0))
 
@@ -559,7 +423,7 @@ class ShapeTuner:
         self.calibration.add(mass, j <= accepted)
 
     def describe(self) -> str:
-        head = f", {self.head} lm_head" if self.head else ""
+        head = f", {self.lm_head} lm_head" if self.lm_head else ""
         return (f"width {self.width}, max depth {self.depth}{head}, draft pass "
                 f"{1e3 * self.draft_pass[self.width](self.width):.1f} ms at k rows, verify "
                 f"{1e3 * self.verify[self.width](1):.1f} ms + "

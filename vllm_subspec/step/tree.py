@@ -145,7 +145,7 @@ class StoredTree:
     level_log_mass: list[float] = field(default_factory=list)  # TreeBatch.log_mass, per depth
     head: str | None = None  # the lm_head that drafted it
     # a compared step's: [n, H] the draft's hidden state after each node, for the nodes of
-    # depth < hidden_depth (a pass ran from them); `shape_tuner.HeadComparison`
+    # depth < hidden_depth (a pass ran from them); `lm_head_choice.LmHeadComparison`
     node_hidden: torch.Tensor | None = None
     hidden_depth: int = 0
 

@@ -23,6 +23,7 @@ cache whose dtype differs from the query's falls back to torch in fp32, per requ
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import torch
@@ -51,36 +52,41 @@ class TreeRows:
 
 @dataclass
 class TreePlan:
-    """The tree rows of one forward (a plan is active for exactly one forward: `TreeMask`)."""
+    """The tree rows of one forward (active for exactly that forward: `tree_plan`)."""
 
     rows: list[TreeRows] = field(default_factory=list)
-    # what the kernels read besides K/V (`cpu_scratch`, `tree_rows_layout`), computed by the
-    # forward's first attention layer and reused by the others, keyed by cache shape and table
+    # what the kernels read besides K/V (`cpu_scratch`, `tree_rows_layout`), laid out by the
+    # forward's first attention layer and reused by the others: key -> (block table, layout)
     layouts: dict = field(default_factory=dict)
 
-
-class TreeMask:
-    """The tree rows of the forward in progress, shared by SubSpec's drafter and verifier and the
-    target's attention layers (`attach`, at load). A plan is active only inside
-    `with mask.active(plan):`, i.e. for one forward; outside it the backends run untouched."""
-
-    def __init__(self):
-        self.plan: TreePlan | None = None
-
-    @contextlib.contextmanager
-    def active(self, plan: TreePlan | None):
-        previous, self.plan = self.plan, (plan if plan is not None and plan.rows else None)
-        try:
-            yield
-        finally:
-            self.plan = previous
-
-    def attach(self, impl) -> None:
-        """Let an attention backend impl (one per decoder layer) find this mask."""
-        impl.__dict__[_MASK_ATTR] = self
+    def layout(self, key, block_table: torch.Tensor, make):
+        """The layout under `key` for this block table (every layer of one forward reads the
+        same table; another table gets its own)."""
+        held = self.layouts.get(key)
+        if held is None or held[0] is not block_table:
+            held = self.layouts[key] = (block_table, make())
+        return held[1]
 
 
-_MASK_ATTR = "_subspec_tree_mask"
+# The plan of the forward in progress in this thread: set only by `tree_plan`, read by
+# `apply_tree_attention` (the attention backends' wrapped forward).
+_ACTIVE_PLAN: contextvars.ContextVar[TreePlan | None] = contextvars.ContextVar(
+    "subspec_tree_plan", default=None)
+
+
+@contextlib.contextmanager
+def tree_plan(plan: TreePlan | None):
+    """`plan`'s rows get ancestor-only attention in the forward run inside the block; outside
+    it (and with no rows) the backends run untouched."""
+    token = _ACTIVE_PLAN.set(plan if plan is not None and plan.rows else None)
+    try:
+        yield
+    finally:
+        _ACTIVE_PLAN.reset(token)
+
+
+def active_tree_plan() -> TreePlan | None:
+    return _ACTIVE_PLAN.get()
 
 
 def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
@@ -320,8 +326,7 @@ def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: Tr
 
 def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     """Overwrite the tree rows of `output` (the backend's causal result) with masked attention."""
-    mask = impl.__dict__.get(_MASK_ATTR)
-    plan = None if mask is None else mask.plan
+    plan = active_tree_plan()
     if plan is None or attn_metadata is None:
         return
     isa = getattr(layer, "isa", None)  # the CPU backend's, stamped on the layer
@@ -333,24 +338,18 @@ def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) ->
     heads = query.shape[1]
     out = output.view(output.shape[0], heads, -1)
     if uses_cpu_kernel(layout, query):  # every request's rows in one kernel call
-        # laid out once per forward: the first layer's call computes it, the others reuse it
-        key = (layout.isa, layout.block_size, tuple(kv_cache.shape[1:]), heads, query.dtype,
-               block_table.data_ptr())
-        scratch = plan.layouts.get(key)
-        if scratch is None:
-            tables = block_table[torch.tensor([r.req_index for r in plan.rows])]
-            scratch = plan.layouts[key] = cpu_scratch(layout, tables, plan.rows, heads,
-                                                      query.dtype)
+        key = (layout.isa, layout.block_size, tuple(kv_cache.shape[1:]), heads, query.dtype)
+        scratch = plan.layout(key, block_table, lambda: cpu_scratch(
+            layout, block_table[torch.tensor([r.req_index for r in plan.rows])], plan.rows,
+            heads, query.dtype))
         out[scratch.query_rows] = _cpu_kernel_rows(query, layout, scratch, impl.scale)
         return
     if isinstance(layout, FlashAttentionLayout):  # every request's rows in one Triton launch
         from vllm_subspec.step.tree_attention_triton import tree_rows_layout
 
-        key = ("triton", heads, layout.kv_heads, block_table.data_ptr())
-        rows = plan.layouts.get(key)
-        if rows is None:
-            rows = plan.layouts[key] = tree_rows_layout(plan.rows, query.device,
-                                                        heads // layout.kv_heads)
+        rows = plan.layout(("triton", heads, layout.kv_heads), block_table,
+                           lambda: tree_rows_layout(plan.rows, query.device,
+                                                    heads // layout.kv_heads))
         _triton_rows(out, query, layout, block_table, rows, impl.scale)
         return
     for rows in plan.rows:

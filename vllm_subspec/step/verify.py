@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_subspec.step.node_constraints import constrain
+from vllm_subspec.step.paged_kv import KvMove
 from vllm_subspec.step.tree import StoredTree, accepted_path
 
 PLACEHOLDER = -1
@@ -49,15 +50,6 @@ def chain_tree(draft_token_ids: list[int]) -> StoredTree:
     n = len(draft_token_ids)
     return StoredTree([0] + list(draft_token_ids), list(range(-1, n)),
                       torch.ones(n + 1, n + 1, dtype=torch.bool).tril())
-
-
-@dataclass
-class KvMove:
-    """An accepted path to compact: its KV moves from slots L + path[j] to L + 1 + j."""
-
-    req_index: int
-    root: int  # L
-    path: list[int]  # accepted node indices (root excluded), not already in place
 
 
 @dataclass

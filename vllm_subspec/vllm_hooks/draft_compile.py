@@ -1,17 +1,12 @@
-"""The draft forward under vLLM's compilation, as vLLM compiles its own drafters' models.
-
-In vLLM's compile mode (no `--enforce-eager`) the whole draft forward, every decoder layer shared
-or substituted, is one dynamo graph with a dynamic token count (fullgraph, guards dropped): on
-CPU inductor compiles it; on CUDA vLLM's backend splits it at the attention ops, which run
-eagerly (tree attention runs inside them), and compiles the pieces between. The substitutes are
-custom ops in it (`substitute.int4_cpu_linear`, GemLite's `forward_functional`). On CUDA the
-pieces are CUDA graphs per bucket of rows (the proposer's `initialize_cudagraph_keys`,
-`draft_bucket`). Eager (`enforce_eager`) on CPU, the substituted layers' RMSNorms run vLLM's
-C++ kernels instead of its native forward (`model.cpu_fused_norms`).
+"""The draft forward under vLLM's compilation, as vLLM compiles its own drafters' models: one
+dynamo graph over every layer in compile mode (split at the attention ops on CUDA, its pieces
+captured per bucket of rows), eager with `enforce_eager` (on CPU with vLLM's C++ norms in the
+substituted layers). How and why: docs/architecture.md, "The draft under vLLM's compilation".
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 
@@ -19,27 +14,28 @@ import torch
 from torch import nn
 from vllm.compilation.backends import set_model_tag
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CompilationMode
+from vllm.config import CompilationMode, set_current_vllm_config
 
-from vllm_subspec.draft_model.model import DraftModel, SubstituteSet, cpu_fused_norms
+from vllm_subspec.draft_model.model import DraftModel, cpu_fused_norms
+from vllm_subspec.draft_model.substitute_set import SubstituteSet
 
-# vLLM's draft-model proposer builds its model under "draft_model" (draft_model.py 0.32.0 :107):
-# a second model under the target's tag would share its compile cache folder
+# vLLM's draft-model proposer builds its model under "draft_model"
+# (`DraftModelProposer._get_model`): a second model under the target's tag would share its
+# compile cache folder
 DRAFT_MODEL_TAG = "subspec_draft"
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
 class CompiledDraftModel(DraftModel):
-    """`DraftModel` under vLLM's `support_torch_compile` (the decorator the target's
-    Qwen2Model carries, qwen2.py 0.32.0 :314); with CompilationMode.NONE (`enforce_eager`) the
-    decorator runs the plain forward."""
+    """`DraftModel` under vLLM's `support_torch_compile` (the decorator of the target's
+    `Qwen2Model`); with CompilationMode.NONE (`enforce_eager`) it runs the plain forward."""
 
 
-# vLLM keys its on-disk compile artifacts on the config's hash and the traced source files
-# (decorators.py 0.32.0 :561-564, :266-282), not on the objects the graph reads: a draft whose
-# substitutes run another kernel class than at the last start (gemlite installed since, say)
-# would load a graph reading attributes its kernels no longer have. This entry, hashed with
-# the config, keys the artifacts on the draft's structure as well.
+# vLLM keys its on-disk compile artifacts on the config's hash and the traced source files,
+# not on the objects the graph reads: a draft whose substitutes run another kernel class than
+# at the last start (gemlite installed since, say) would load a graph reading attributes its
+# kernels no longer have. The draft's own config (the engine's plus this entry) and its model
+# tag carry the draft's structure, so its artifacts are keyed on it.
 STRUCTURE_KEY = "subspec_draft_structure"
 
 
@@ -59,15 +55,19 @@ def draft_structure(substitutes: SubstituteSet) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def draft_model(target: nn.Module, substitutes: SubstituteSet, device: torch.device,
-                vllm_config) -> DraftModel:
-    """The draft as the engine runs it: compiled in vLLM's compile mode, under its own tag.
-    Called at load, before the target's or the draft's first compile reads the config hash."""
-    if isinstance(vllm_config.additional_config, dict):
-        vllm_config.additional_config[STRUCTURE_KEY] = draft_structure(substitutes)
-    with set_model_tag(DRAFT_MODEL_TAG):
+def build_draft_model(target: nn.Module, substitutes: SubstituteSet, device: torch.device,
+                      vllm_config) -> DraftModel:
+    """The draft as the engine runs it: compiled in vLLM's compile mode, with a config of its
+    own (the engine's, plus `STRUCTURE_KEY`) and a model tag naming its structure, under which
+    vLLM's AOT and per-tag caches keep its artifacts; the engine's config is not changed."""
+    structure = draft_structure(substitutes)
+    draft_config = copy.copy(vllm_config)  # shallow: the same sub-configs, its own extras
+    draft_config.additional_config = {**(vllm_config.additional_config or {}),
+                                      STRUCTURE_KEY: structure}
+    with set_current_vllm_config(draft_config), \
+            set_model_tag(f"{DRAFT_MODEL_TAG}_{structure}"):
         model = CompiledDraftModel(target=target, substitutes=substitutes, device=device,
-                                   vllm_config=vllm_config, prefix=DRAFT_MODEL_TAG)
+                                   vllm_config=draft_config, prefix=DRAFT_MODEL_TAG)
     if device.type == "cpu" and vllm_config.compilation_config.mode == CompilationMode.NONE:
         cpu_fused_norms([model.layers[i] for i in model.substituted])
     return model

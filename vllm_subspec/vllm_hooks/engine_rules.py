@@ -92,11 +92,15 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
 
 
 def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_config,
-                         platform) -> None:
+                         target_parallel_config, platform) -> None:
     """Set (or refuse) the engine arguments SubSpec needs on `platform` (vLLM's
-    current_platform; tests pass a stand-in). Mutates `engine_args` (vLLM's EngineArgs)."""
+    current_platform; tests pass a stand-in). Mutates `engine_args` (vLLM's EngineArgs) and
+    the ParallelConfig vLLM has built from them (its worker class)."""
+    _use_subspec_worker(target_parallel_config, platform)
+    _check_kernel_runs_here(options, platform)
     if options.is_tree:  # every platform: the tree gather reads raw, unwindowed KV
         _refuse_unreadable_kv(engine_args, target_model_config)
+        _refuse_micro_batching(target_parallel_config)
     if not platform.is_cuda_alike():
         return  # the CPU platform: no async scheduling, its own attention backend
     _require_offload(engine_args, options)
@@ -106,6 +110,49 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
     _pin_flash_attention(engine_args, target_model_config, platform)
     engine_args.compilation_config.cudagraph_mode = tree_cudagraph_mode(
         engine_args.compilation_config.cudagraph_mode)
+
+
+def subspec_worker_cls(platform) -> str:
+    """The worker class vLLM builds SubSpec's model runner through (runner.py)."""
+    if platform.is_cpu():
+        return "vllm_subspec.vllm_hooks.cpu_runner.SubSpecCPUWorker"
+    return "vllm_subspec.vllm_hooks.runner.SubSpecGPUWorker"
+
+
+def _use_subspec_worker(parallel_config, platform) -> None:
+    ours = subspec_worker_cls(platform)
+    if parallel_config.worker_cls not in ("auto", ours):
+        raise SubSpecConfigError(
+            f"worker_cls {parallel_config.worker_cls!r} cannot be combined with SubSpec, whose "
+            f"model runner vLLM builds through its own worker class ({ours}); drop "
+            "--worker-cls (worker_extension_cls adds methods to SubSpec's worker)")
+    parallel_config.worker_cls = ours
+
+
+def _check_kernel_runs_here(options: SubSpecOptions, platform) -> None:
+    device = "CPU" if platform.is_cpu() else "CUDA"
+    runs_on = {"int4_cpu_dot": "CPU", "int4_cpu": "CPU", "gemlite": "CUDA"}.get(options.kernel)
+    if runs_on not in (None, device):
+        raise SubSpecConfigError(
+            f"invalid speculative_config: kernel {options.kernel!r} runs on {runs_on} only, and "
+            f"this engine runs on {device}; use kernel 'auto'")
+    if options.kernel == "int4_cpu_dot":
+        from vllm_subspec.draft_model.int4_dot_cpu import cpu_has_flags
+
+        if not cpu_has_flags():
+            raise SubSpecConfigError(
+                "invalid speculative_config: kernel 'int4_cpu_dot' needs an x86 CPU with "
+                "AVX512-BF16 (flags avx512f, avx512bw, avx512vl, avx512_bf16); 'int4_cpu' runs "
+                "on any CPU")
+
+
+def _refuse_micro_batching(parallel_config) -> None:
+    """A tree plan is active in the thread that runs the forward; vLLM's micro-batching runs
+    forwards in threads of its own, where tree rows would get causal attention."""
+    if parallel_config.use_ubatching:
+        raise SubSpecConfigError(
+            "tree drafting does not support micro-batching (--enable-dbo / ubatch_size > 1); "
+            "drop it or use tree_width=1")
 
 
 def _require_offload(engine_args, options: SubSpecOptions) -> None:
@@ -123,7 +170,7 @@ def _require_offload(engine_args, options: SubSpecOptions) -> None:
 
 
 def _no_async_scheduling(engine_args) -> None:
-    """Every shape is verified by sample-then-match (`TreeVerifier`), which reads the scheduled
+    """Every shape is verified by sample-then-match (`SampleMatchVerifier`), which reads the scheduled
     drafts and their counts on the host: async scheduling makes both placeholders."""
     if engine_args.async_scheduling:
         raise SubSpecConfigError(

@@ -42,11 +42,9 @@ FIELDS = ("draft_steps", "plain_steps", "draft_passes", "draft_seconds", "verify
           "step_seconds", "tree_width", "tree_depth", "substitute_bytes", "dense_twin_bytes",
           "draft_head_bytes")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
-# the fields the worker stores after each proposal: field -> `StepStats` attribute
-_STEP_FIELDS = {"draft_steps": "draft_calls", "plain_steps": "plain_steps",
-                "draft_passes": "draft_passes", "draft_seconds": "draft_seconds",
-                "verify_seconds": "verify_seconds", "step_seconds": "step_seconds",
-                "tree_width": "tree_width", "tree_depth": "tree_depth"}
+# the fields the worker stores after each proposal: `StepStats`' attributes of the same name
+_STEP_FIELDS = ("draft_steps", "plain_steps", "draft_passes", "draft_seconds", "verify_seconds",
+                "step_seconds", "tree_width", "tree_depth")
 
 
 def default_metrics_dir() -> str:
@@ -95,8 +93,8 @@ class StepMetricsFile:
             if not self._open():
                 return
             a = self.array
-        for field, attr in _STEP_FIELDS.items():
-            a[_INDEX[field]] = getattr(stats, attr)
+        for field in _STEP_FIELDS:
+            a[_INDEX[field]] = getattr(stats, field)
 
 
 def read_metrics(path: str) -> dict[str, float] | None:

@@ -13,7 +13,7 @@ vLLM's prefetch offloader (vllm/model_executor/offloader/prefetch.py, identical 
   end only once it has landed. The verify pass therefore ends after the refill copies; nothing
   is left to overlap the draft.
 
-`PrefetchOverlap` moves the refill copies of graph forwards out of the graphs: while a graph
+`OverlappingPrefetchOffloader` moves the refill copies of graph forwards out of the graphs: while a graph
 is being captured, a start of a target below s is not issued (so it is not captured), and the
 copy is issued eagerly instead, outside any graph, on vLLM's copy stream, by vLLM's own
 `_ModuleOffloader.start_onload_to_static` (fork event on the compute stream first: the copy
@@ -44,10 +44,9 @@ import weakref
 from collections import Counter
 
 import torch
+from vllm.model_executor.offloader.prefetch import PrefetchOffloader
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
-
-_ATTR = "_subspec_prefetch_overlap"
 
 
 def _capturing() -> bool:
@@ -60,111 +59,108 @@ def _current_forward_context():
     return get_forward_context() if is_forward_context_available() else None
 
 
-class PrefetchOverlap:
-    """Installed on vLLM's PrefetchOffloader instance (instance attributes wrap three of its
-    methods; the class and every other offloader are untouched)."""
+class OverlappingPrefetchOffloader(PrefetchOffloader):
+    """vLLM's prefetch offloader whose refill copies of graph forwards run while the draft
+    drafts (module docstring); installed in vLLM's place by SubSpec's runner. With no shared
+    slot (s >= offloaded layers) or micro-batching, it behaves exactly as vLLM's."""
 
-    def __init__(self, offloader, forward_context=_current_forward_context):
-        self.offloader = offloader
-        self.modules = offloader.module_offloaders
-        self.n = len(self.modules)
-        self.s = offloader.prefetch_step
-        self.first = range(min(self.s, self.n))
-        # slots of layers j < s that layer j + s (and later ones) also use: a forward leaves
-        # them holding another layer
-        self.refilled = [j for j in self.first if j + self.s < self.n]
-        # slot -> layer whose copy was issued last (None: unknown, e.g. after a graph forward).
-        # post_init (prefetch.py:389-391) issues the first s layers; it runs after this object
-        # is created (GPUModelRunner.load_model: drafter.load_model 0.32.0 :5073, 0.33.0
-        # :5012; post_init 0.32.0 :5228, 0.33.0 :5167).
-        self.slot_layer: dict[int, int | None] = {j: j for j in self.first}
+    def __init__(self, *args, use_ubatching: bool = False,
+                 forward_context=_current_forward_context, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.use_ubatching = use_ubatching  # its two threads run forwards concurrently
         self._forward_context = forward_context
         self._graph_forward: weakref.ref | None = None
         self.counts: Counter[str] = Counter()  # copies issued by this class, by where
         self._drafting = False  # inside `drafting()`
-        self._install()
+        self.slot_layer: dict[int, int | None] = {}  # slot -> layer last copied there
 
-    # ---- construction --------------------------------------------------------------------
     @classmethod
-    def from_offloader(cls, offloader, use_ubatching: bool = False) -> PrefetchOverlap | None:
-        """The overlap for vLLM's prefetch offloader; None for any other backend, for a ring in
-        which no slot is shared (s >= number of offloaded layers: nothing is refilled), and
-        with micro-batching (its two threads run forwards concurrently)."""
-        from vllm.model_executor.offloader.prefetch import PrefetchOffloader
-
-        if not isinstance(offloader, PrefetchOffloader) or not offloader.module_offloaders:
+    def replacing(cls, offloader, use_ubatching: bool = False
+                  ) -> OverlappingPrefetchOffloader | None:
+        """One with the settings of vLLM's `offloader` (made by the runner, no layer wrapped
+        yet); None for any other backend."""
+        if type(offloader) is not PrefetchOffloader:
             return None
-        existing = offloader.__dict__.get(_ATTR)
-        if existing is not None:
-            return existing
-        if use_ubatching or offloader.prefetch_step >= len(offloader.module_offloaders):
-            return None
-        return cls(offloader)
+        return cls(group_size=offloader.group_size, num_in_group=offloader.num_in_group,
+                   prefetch_step=offloader.prefetch_step,
+                   offload_params=offloader.offload_params, mode=offloader.mode,
+                   use_ubatching=use_ubatching)
 
-    def _install(self) -> None:
-        off = self.offloader
-        self._orig_start = off._start_prefetch
-        self._orig_wait = off._wait_for_layer
-        self._orig_sync = off.sync_prev_onload
-        off._start_prefetch = self._start_prefetch
-        off._wait_for_layer = self._wait_for_layer
-        off.sync_prev_onload = self._sync_prev_onload
-        off.__dict__[_ATTR] = self
+    @property
+    def overlaps(self) -> bool:
+        """Whether any slot is refilled (s < offloaded layers) and forwards run one at a time."""
+        return not self.use_ubatching and self.prefetch_step < len(self.module_offloaders)
+
+    @property
+    def first(self) -> range:
+        return range(min(self.prefetch_step, len(self.module_offloaders)))
+
+    @property
+    def refilled(self) -> list[int]:
+        """Slots of layers j < s that layer j + s (and later ones) also use."""
+        return [j for j in self.first if j + self.prefetch_step < len(self.module_offloaders)]
+
+    def post_init(self) -> None:
+        super().post_init()  # it issues the copies of the first s layers
+        self.slot_layer = {j: j for j in self.first}
 
     # ---- the copies --------------------------------------------------------------------
     def _slot(self, layer: int) -> int:
-        return layer % self.s  # prefetch.py:373 (post_init)
+        return layer % self.prefetch_step  # `PrefetchOffloader.post_init`'s assignment
 
     def _ensure(self, layers, where: str) -> None:
         """Issue the copy of every layer in `layers` whose slot holds another one (eager)."""
         for j in layers:
             if self.slot_layer.get(self._slot(j)) != j:
-                self.modules[j].start_onload_to_static()
+                self.module_offloaders[j].start_onload_to_static()
                 self.slot_layer[self._slot(j)] = j
                 self.counts[where] += 1
 
     def start_before_draft(self) -> None:
         """Called by the proposer before drafting: start the next verify's first-layer copies.
         A no-op after an eager forward (its own refill copies are already running)."""
-        if not _capturing():
+        if self.overlaps and not _capturing():
             self._ensure(self.first, "before_draft")
-
-    # ---- the wrapped PrefetchOffloader methods ---------------------------------------------
-    def _start_prefetch(self, layer_idx: int) -> None:
-        capturing = _capturing()
-        if capturing and layer_idx < self.s:
-            self.counts["not_captured"] += 1  # issued eagerly before the next forward instead
-            return
-        self._orig_start(layer_idx)
-        if not capturing:
-            self.slot_layer[self._slot(layer_idx)] = layer_idx
-
-    def _wait_for_layer(self, layer_idx: int) -> None:
-        if not _capturing():  # eager forward (or an offloaded layer run by the draft)
-            # layer 0 opens a forward: fill every first slot at once; later layers need their own
-            self._ensure(self.first if layer_idx == 0 else (layer_idx,), "eager_wait")
-        self._orig_wait(layer_idx)
 
     @contextlib.contextmanager
     def drafting(self):
-        """The scope of a draft forward. A captured draft piece's replay calls
-        `sync_prev_onload` too (CUDAGraphWrapper, cuda_graph.py 0.32.0 :360, and before each
-        capture :311): inside this scope the call is skipped, waits and bookkeeping
-        alike. The draft reads no streamed layer, so it must neither wait for the copies it
-        is meant to overlap nor be taken for the next target forward."""
+        """The scope of a draft forward: a captured draft piece's replay calls
+        `sync_prev_onload` too, which is skipped here. The draft reads no streamed layer, so
+        it must neither wait for the copies it overlaps nor be taken for the next target
+        forward."""
         self._drafting = True
         try:
             yield
         finally:
             self._drafting = False
 
-    def _sync_prev_onload(self) -> None:
+    # ---- vLLM's PrefetchOffloader methods, overridden -----------------------------------
+    def _start_prefetch(self, layer_idx: int) -> None:
+        if not self.overlaps:
+            return super()._start_prefetch(layer_idx)
+        capturing = _capturing()
+        if capturing and layer_idx < self.prefetch_step:
+            self.counts["not_captured"] += 1  # issued eagerly before the next forward instead
+            return
+        super()._start_prefetch(layer_idx)
+        if not capturing:
+            self.slot_layer[self._slot(layer_idx)] = layer_idx
+
+    def _wait_for_layer(self, layer_idx: int) -> None:
+        if self.overlaps and not _capturing():  # an eager forward (or the draft's layer)
+            # layer 0 opens a forward: fill every first slot at once; later layers need their own
+            self._ensure(self.first if layer_idx == 0 else (layer_idx,), "eager_wait")
+        super()._wait_for_layer(layer_idx)
+
+    def sync_prev_onload(self) -> None:
+        if not self.overlaps:
+            return super().sync_prev_onload()
         if self._drafting:
             self.counts["draft_sync_skipped"] += 1
             return
         if not _capturing():
-            # vLLM's graph wrappers call this only inside a forward context
-            # (cuda_graph.py:236-240); a call without one is treated as a new forward.
+            # vLLM's graph wrappers call this only inside a forward context; a call without
+            # one is treated as a new forward
             ctx = self._forward_context()
             if ctx is None or self._graph_forward is None or self._graph_forward() is not ctx:
                 # first graph (or piece) of a new target forward
@@ -172,4 +168,4 @@ class PrefetchOverlap:
                 for j in self.refilled:  # its captured copies put layers j + s, ... there
                     self.slot_layer[j] = None
                 self._graph_forward = None if ctx is None else weakref.ref(ctx)
-        self._orig_sync()  # vLLM: compute stream waits for the copy stream
+        super().sync_prev_onload()  # vLLM: compute stream waits for the copy stream

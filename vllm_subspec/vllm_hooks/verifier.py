@@ -1,25 +1,23 @@
-"""The verify side of a tree step, as vLLM's model runner sees it: the runner's
-`rejection_sampler` (same call, same `SamplerOutput`), plus the two hooks patches.py runs around
-`_prepare_inputs` and `_model_forward`. Everything it does is `StepSession`'s; this class only
-reads the runner's batch and writes the runner's buffers.
+"""SampleMatchVerifier: in the runner's `rejection_sampler` slot, the verify side of every step
+(a chain's too): vLLM's call and `SamplerOutput`, with sample-then-match inside
+(`StepSession.sample_and_walk`). It reads the runner's batch and writes the runner's buffers;
+everything else is the session's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
+from vllm_subspec.step.paged_kv import PagedKv
 from vllm_subspec.step.session import StepSession, VerifyRequest
 
 
-class TreeVerifier:
-    def __init__(self, runner, session: StepSession,
-                 kv_caches: Callable[[], list[tuple[object, torch.Tensor, str | None]]]):
+class SampleMatchVerifier:
+    def __init__(self, runner, session: StepSession, drafter):
         self.runner = runner
         self.session = session
-        self.kv_caches = kv_caches  # (impl, KV cache, CPU ISA) per decoder layer, after load
+        self.drafter = drafter  # its KV caches (after load) and its lm_heads
 
     def prepare_verify(self, scheduler_output) -> None:
         """After vLLM's `_prepare_inputs` laid the scheduled drafts out as a chain."""
@@ -35,24 +33,24 @@ class TreeVerifier:
             runner.positions[write.start: end] = write.positions.to(runner.positions.device)
 
     def verify_forward(self):
-        """Around vLLM's `_model_forward`: the tree mask of this step's verify is active."""
+        """Around vLLM's `_model_forward`: the tree plan of this step's verify is active."""
         return self.session.verify_forward()
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
-        """In place of vLLM's `RejectionSampler.__call__` (rejection_sampler.py 0.32.0)."""
+        """In place of vLLM's `RejectionSampler.__call__`."""
         num_draft = list(metadata.num_draft_tokens)
         batch = self.runner.input_batch
+        # the runner's table holds KV-manager blocks of its own block size, which a backend
+        # may split into smaller kernel blocks: slots are computed at the table's
+        table = batch.block_table[0]
+        kv = lambda: PagedKv(self.drafter.kv_caches(),  # noqa: E731 (only if a path moves)
+                             table.get_device_tensor(batch.num_reqs), table.block_size)
         # fp32 work in chunks of max_num_seqs rows: the size vLLM's sampler warm-up profiles
         walk = self.session.sample_and_walk(batch.req_ids[: len(num_draft)], num_draft, logits,
                                             sampling_metadata,
-                                            self.runner.sampler.topk_topp_sampler,
-                                            self.runner.max_num_reqs)
-        if walk.moves:
-            # the runner's table holds KV-manager blocks of its own block size, which a
-            # backend may split into smaller kernel blocks (block_table.py 0.32.0 :49-197)
-            table = batch.block_table[0]
-            self.session.compact(walk.moves, self.kv_caches(),
-                                 table.get_device_tensor(batch.num_reqs), table.block_size)
+                                            self.runner.sampler.topk_topp_sampler, kv,
+                                            self.runner.max_num_reqs,
+                                            self.drafter.model.compute_logits)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, walk.drawn_at, walk.tokens,
@@ -61,16 +59,13 @@ class TreeVerifier:
                              logprobs_tensors=logprobs)
 
     def _logprobs(self, logits, drawn_at, tokens, max_num_logprobs):
-        """Logprobs of the emitted tokens (and the top ones) in vLLM's padded spec-decode
-        layout: one row per output slot, padding rows filtered out by vLLM's parse_output.
-        Raw logprobs (vLLM's default `logprobs_mode`), from the target's logits where each
-        token was drawn, as a plain engine reports them."""
+        """Raw logprobs of the emitted tokens (and the top ones) in vLLM's padded spec-decode
+        layout, from the target's logits where each token was drawn, as a plain engine
+        reports them; fp32 rows max_num_seqs at a time."""
         sampler = self.runner.sampler
         at = drawn_at.flatten().to(logits.device)
         ids = tokens.flatten().clamp(min=0).to(torch.int64).to(logits.device)
         parts = []
-        # fp32 rows max_num_seqs at a time, as the draws (one row per output slot: B x (the
-        # widest tree's nodes + 1) in all)
         for start in range(0, at.shape[0], self.runner.max_num_reqs):
             chunk = slice(start, start + self.runner.max_num_reqs)
             rows = logits[at[chunk]].float()

@@ -1,0 +1,115 @@
+"""The seam: every call vLLM's model runner makes into SubSpec, in the order vLLM makes them.
+
+`SubSpecRunner` is mixed into vLLM's own model runner classes (`SubSpecGPUModelRunner`, and
+`SubSpecCPUModelRunner` in cpu_runner.py), which vLLM builds through the worker class the front
+end names (`engine_rules.subspec_worker_cls`). The two parts it puts in vLLM's designed slots,
+the drafter (`SubSpecProposer`) and the rejection sampler (`SampleMatchVerifier`), share one
+`StepSession`, which this runner owns; nothing of SubSpec is stored on vLLM's objects.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_subspec.config import options_from_vllm_config
+from vllm_subspec.step.session import StepSession
+
+# The runner whose `load_model` is in progress (the weight hook builds its substitutes).
+_LOADING: contextvars.ContextVar[SubSpecRunner | None] = contextvars.ContextVar(
+    "subspec_loading_runner", default=None)
+
+
+class SubSpecRunner:
+    """vLLM's model runner with SubSpec: its overrides, read top to bottom, are the calls vLLM
+    makes into SubSpec, in vLLM's order (`drafter.propose` and `rejection_sampler(...)` are
+    the runner's own calls into its slots)."""
+
+    # ---- 1. construction (the worker's `init_device`) ------------------------------------
+    def __init__(self, vllm_config, device, *args, **kwargs):
+        super().__init__(vllm_config, device, *args, **kwargs)
+        from vllm.model_executor.offloader.base import get_offloader, set_offloader
+        from vllm.platforms import current_platform
+
+        from vllm_subspec.vllm_hooks.engine_rules import check_final_config
+        from vllm_subspec.vllm_hooks.prefetch_overlap import OverlappingPrefetchOffloader
+        from vllm_subspec.vllm_hooks.proposer import SubSpecProposer
+        from vllm_subspec.vllm_hooks.verifier import SampleMatchVerifier
+
+        options = options_from_vllm_config(vllm_config)
+        check_final_config(vllm_config, options, current_platform)
+        # vLLM's prefetch offloader, made by `GPUModelRunner.__init__` (its ring has not
+        # wrapped any layer yet), becomes the one whose next copies overlap drafting
+        overlapping = OverlappingPrefetchOffloader.replacing(
+            get_offloader(), vllm_config.parallel_config.use_ubatching)
+        if overlapping is not None:
+            set_offloader(overlapping)
+        self.session = StepSession.from_options(options)
+        self.drafter = SubSpecProposer(vllm_config, device, self, self.session, overlapping)
+        self.rejection_sampler = SampleMatchVerifier(self, self.session, self.drafter)
+
+    # ---- 2. loading (the worker's `load_model`) ------------------------------------------
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM loads the target, whose weight hook calls `target_weights_loaded` below, then
+        calls `self.drafter.load_model(target)`."""
+        token = _LOADING.set(self)
+        try:
+            super().load_model(*args, **kwargs)
+        finally:
+            _LOADING.reset(token)
+
+    def target_weights_loaded(self, model, target_device, process_weights) -> None:
+        """From the weight hook (patches.py): the target's raw weights are loaded, not yet
+        processed; the drafter builds its substitutes around vLLM's `process_weights()`."""
+        self.drafter.build_substitutes(model, torch.device(target_device), process_weights)
+
+    # ---- 3. each step (`execute_model`, then `sample_tokens`) ----------------------------
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        """After vLLM laid the scheduled drafts out as a chain: the verify's tree positions."""
+        out = super()._prepare_inputs(scheduler_output, *args, **kwargs)
+        self.rejection_sampler.prepare_verify(scheduler_output)
+        return out
+
+    def _model_forward(self, *args, **kwargs):
+        """The target's forward: the verify's tree plan is active for exactly this pass."""
+        with self.rejection_sampler.verify_forward():
+            return super()._model_forward(*args, **kwargs)
+
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        """A tree stops each request at its own max_model_len (`draft.draft_tree`), so a tree
+        engine drafts whenever there is a batch; a chain keeps vLLM's whole-batch rule (its
+        passes past the limit would rely on vLLM's clamped positions)."""
+        if not self.session.options.is_tree:
+            return super()._input_fits_in_drafter(common_attn_metadata)
+        return common_attn_metadata is not None
+
+
+def loading_runner() -> SubSpecRunner | None:
+    """The SubSpec runner loading its target in this thread (None: not SubSpec's load)."""
+    return _LOADING.get()
+
+
+class SubSpecGPUModelRunner(SubSpecRunner, GPUModelRunner):
+    pass
+
+
+class SubSpecGPUWorker(Worker):
+    """vLLM's GPU worker, building SubSpec's runner (`Worker._make_model_runner`)."""
+
+    def _make_model_runner(self) -> SubSpecGPUModelRunner:
+        if self.use_v2_model_runner:  # patches.py forces V1 for SubSpec engines
+            raise RuntimeError("vllm-subspec: SubSpec runs on vLLM's V1 model runner only")
+        return SubSpecGPUModelRunner(self.vllm_config, self.device)
+
+
+def subspec_of(worker_or_runner) -> SubSpecRunner:
+    """A worker's (or runner's) SubSpec runner: its `session`, `drafter`,
+    `rejection_sampler` and `drafter.substitutes`. The one way tests and benchmarks reach them
+    (through `collective_rpc`)."""
+    runner = getattr(worker_or_runner, "model_runner", worker_or_runner)
+    if not isinstance(runner, SubSpecRunner):
+        raise TypeError(f"vllm-subspec: {type(runner).__name__} is not a SubSpec model runner")
+    return runner
