@@ -80,6 +80,7 @@ NAMES: tuple[str, ...] = (
     "vllm.model_executor.offloader.prefetch:_ModuleOffloader.start_onload_to_static",
     "vllm.compilation.cuda_graph:CUDAGraphWrapper.__call__",
     "vllm.config.vllm:VllmConfig.__post_init__",  # async-scheduling default
+    "vllm.config.vllm:VllmConfig._get_v1_model_runner_unsupported_features",  # must stay empty
     "vllm.platforms.cpu:CpuPlatform.check_and_update_config",  # CPU forces async off
     "vllm.platforms.cuda:_get_backend_priorities",
     "vllm.config.attention:AttentionConfig.validate_backend_before",
@@ -91,6 +92,8 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+    "vllm.compilation.decorators:support_torch_compile",  # the compiled draft
+    "vllm.compilation.backends:set_model_tag",
     "vllm.v1.spec_decode.draft_model:DraftModelProposer",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.__init__",
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model",

@@ -94,7 +94,9 @@ class PlainReferences:
         if missing:
             from subspec_testing.harness import shutdown_engine
 
-            llm = self.make_llm(model, **engine_kwargs)
+            # no stat loggers: vLLM's Prometheus logger unregisters every vLLM metric when it
+            # starts, which would blank a SubSpec engine's still-running acceptance counters
+            llm = self.make_llm(model, **{**engine_kwargs, "disable_log_stats": True})
             self.engines_started += 1
             try:
                 blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks

@@ -98,8 +98,9 @@ class SubSpecOptions:
 
     @property
     def is_tree(self) -> bool:
-        """Verified by sample-then-match (step/verify.py); auto shapes always are, even when
-        the tuner picks width 1."""
+        """Drafted as a tree (step/draft.py `draft_tree`); auto shapes always are, even when the
+        tuner picks width 1. A chain (a fixed tree_width 1) is drafted by `draft_chain`; every
+        shape is verified by sample-then-match (step/verify.py)."""
         return self.tree_width > 1 or self.auto_width
 
     @property
@@ -159,7 +160,8 @@ class SubSpecOptions:
             raw.update(tree_width=1, tree_depth=chain)
         platform = "cpu" if _platform_is_cpu() else "cuda"
         width, depth = raw.get("tree_width", AUTO), raw.get("tree_depth", AUTO)
-        # a chain (tree_width 1) keeps vLLM's rejection sampler and a fixed depth
+        # a chain (tree_width 1) keeps a fixed depth; it is verified by sample-then-match,
+        # like a tree
         raw["auto_width"] = width in (AUTO, None)
         raw["auto_depth"] = depth in (AUTO, None) and width != 1
         raw["tree_width"] = DEFAULT_TREE_WIDTH if raw["auto_width"] else width

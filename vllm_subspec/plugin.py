@@ -1,10 +1,9 @@
 """vLLM plugin entry point (`vllm.general_plugins`: `subspec = vllm_subspec.plugin:register`).
 
-vLLM calls it once in every process it starts (front end, engine core, each worker), which is
-what makes the patches reach spawned workers without user code or environment variables.
-
-The first process also names the folder through which workers hand SubSpec's metrics to the
-front end's Prometheus collector (`vllm_hooks/metrics.py`); the processes vLLM starts inherit it.
+vLLM calls it once in every process it starts (front end, engine core, each worker), so the
+patches reach spawned workers without user code or environment variables. The first process
+also names the folder through which workers hand SubSpec's metrics to the front end's
+Prometheus collector (`vllm_hooks/metrics.py`); the processes vLLM starts inherit it.
 """
 
 import os

@@ -485,6 +485,30 @@ def test_the_draft_structure_keys_vllm_compile_artifacts():
         Int4CpuKernel, layers=(1,))), draft_structure(subs(Int4CpuKernel, head=True))}) == 4
 
 
+def test_the_draft_compiles_under_its_own_config_leaving_the_engines_alone():
+    """build_draft_model gives the draft a config of its own (the engine's sub-configs, plus the
+    structure digest): the engine's config, which keys the target's compile cache, is unchanged."""
+    from vllm.config import VllmConfig
+
+    from vllm_subspec.vllm_hooks.draft_compile import (
+        STRUCTURE_KEY,
+        build_draft_model,
+        draft_structure,
+    )
+
+    model = decoder_stub(2, 128, seed=0)
+    for layer in model.model.layers:
+        layer.self_attn.attn = nn.Module()  # stands for vLLM's Attention
+    subs = build_substitutes(model, [0], SubSpecOptions.from_dict({"quantizer": "rtn"}), CPU)
+    engine = VllmConfig(additional_config={"subspec": {"tree_width": 2}})
+    draft = build_draft_model(model, subs, CPU, engine)
+    assert engine.additional_config == {"subspec": {"tree_width": 2}}
+    assert draft.vllm_config is not engine
+    assert draft.vllm_config.additional_config == {"subspec": {"tree_width": 2},
+                                                   STRUCTURE_KEY: draft_structure(subs)}
+    assert draft.vllm_config.compilation_config is engine.compilation_config  # shared, not copied
+
+
 def test_a_failed_int4_dot_build_falls_back_to_tinygemm_with_one_warning(weight, monkeypatch):
     """No compiler, no ninja, an unwritable extension folder: the build's error is logged once
     and "auto" picks tinygemm; the kernel can't be forced then (one clear error)."""

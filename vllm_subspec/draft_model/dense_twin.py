@@ -1,6 +1,9 @@
 """A CPU substitute's dense twin: its HQQ weights dequantized once, run from the row count where
 a dense matmul overtakes the int4 kernel (`dense_crossover`: a micro-benchmark run once per
-weight shape at load)."""
+weight shape at load).
+
+Design: docs/substitutes.md, "Dense twins".
+"""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from vllm_subspec.draft_model.quantize import QuantizedWeight
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
 
+# Row counts timed to find where a dense matmul overtakes the int4 kernel (those up to the most
+# rows a draft pass can send).
 CROSSOVER_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 TIMED_MAX_N = 32768
 

@@ -1,5 +1,8 @@
 """GemLite's compile and autotune state (CUDA): which row counts share it, and its autotuning
-kept across engine starts. Written against gemlite 0.6.0.post2; gemlite is imported lazily."""
+kept across engine starts. Written against gemlite 0.6.0.post2; gemlite is imported lazily.
+
+Design: docs/substitutes.md, "GemLite".
+"""
 
 from __future__ import annotations
 
@@ -16,32 +19,30 @@ logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handl
 def gemlite_warm_up_key(m: int, closest_m, matmul_type, w_nbits: int = 4) -> tuple:
     """What gemlite 0.6.0.post2 autotunes/compiles separately for an m-row call: equal keys
     share every autotune result and compiled kernel (per weight shape and dtype).
-
     closest_m, matmul_type: gemlite's `triton_kernels.utils.get_closest_m` and
-    `core.get_matmul_type` (passed in: importing gemlite needs CUDA).
-    """
-    family = matmul_type(m, w_nbits)  # GEMV* for m <= 4, GEMM_SPLITK below 64 (core.py:171)
-    # Autotune keys: GEMV kernels key on M (gemv_revsplitK_kernels.py:13), GEMM ones on
-    # M_CLOSEST = get_closest_m(M) (gemm_kernels.py:13,756; gemm_splitK_kernels.py:13,787).
+    `core.get_matmul_type` (passed in: importing gemlite needs CUDA)."""
+    # GEMV* for m <= 4, GEMM_SPLITK below 64 (gemlite.core.get_matmul_type)
+    family = matmul_type(m, w_nbits)
+    # Autotune keys (gemlite.triton_kernels): GEMV kernels key on M (gemv_revsplitK_kernels.KEYS),
+    # GEMM ones on M_CLOSEST = get_closest_m(M) (gemm_kernels.KEYS and gemm_forward;
+    # gemm_splitK_kernels.KEYS and gemm_splitK_forward).
     tuned = m if family.startswith("GEMV") else closest_m(m)
     # Compiled variants within a bucket: Triton specializes an int argument on == 1 and on
-    # % 16 == 0 (triton/runtime/jit.py: native_specialize_impl), and the GEMM kernels' heuristic
-    # EVEN_M = M % BLOCK_SIZE_M == 0 (gemm_kernels.py:281, gemm_splitK_kernels.py:296) with
-    # BLOCK_SIZE_M a power of two in [16, 256] (the pruners, gemm_kernels.py:77-82). The
-    # largest power of two dividing m, capped at 256, and ignored below 16, covers both.
+    # % 16 == 0 (triton.runtime.jit: native_specialize_impl), and the GEMM kernels' heuristic
+    # EVEN_M = M % BLOCK_SIZE_M == 0 (the triton.heuristics of gemm_kernels.gemm_INT_kernel and
+    # gemm_splitK_kernels.gemm_splitK_INT_kernel) with BLOCK_SIZE_M a power of two in [16, 256]
+    # (the pruners, e.g. gemm_kernels.kernel_config_pruner). The largest power of two dividing
+    # m, capped at 256, and ignored below 16, covers both.
     align = math.gcd(m, 256) if m % 16 == 0 else 1
     return family, tuned, align
 
 
 @contextlib.contextmanager
 def gemlite_autotune_kept(path: Path | None):
-    """GemLite's autotuning results kept across engine starts in `path` (None: not kept).
-
-    Before the block, the stored configs are loaded (`gemlite.load_config`): for a kernel call
-    whose signature is stored, gemlite's config pruner offers only that config
-    (gemlite/triton_kernels/gemm_kernels.py:31-34, the same in every family), so Triton's
-    autotuner benchmarks nothing. After it, every config tuned so far is merged into the file
-    (`gemlite.cache_config`, core.py:839-878). Written against gemlite 0.6.0.post2."""
+    """GemLite's autotuning results kept across engine starts in `path` (None: not kept):
+    loaded before the block (`gemlite.load_config`: Triton's autotuner then benchmarks no
+    stored signature), every config tuned so far merged into the file after it
+    (`gemlite.cache_config`). Written against gemlite 0.6.0.post2."""
     if path is None:
         yield
         return

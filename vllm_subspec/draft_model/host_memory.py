@@ -1,18 +1,9 @@
-"""The draft's host memory on vLLM's CPU backend: planned before any substitute is built.
+"""The draft's host memory on vLLM's CPU backend, planned before any substitute is built: the
+substitutes (its quantized lm_head included) must leave the KV cache room for one
+`max_model_len` request; dense twins are kept only within that room and `cpu_draft_memory`
+(`plan_host_memory`, then `fit_kv_cache` once vLLM has processed the weights).
 
-On CPU every byte the draft adds comes out of the RAM share vLLM sizes its KV cache from
-(`gpu_memory_utilization` x the node's memory, minus the worker's RSS once the model is loaded:
-vllm/v1/worker/cpu_worker.py:73-75 and 235-236). The draft adds:
-- the substitutes (int4 codes with a 16-bit scale and zero per group, ~28% of bf16 weights);
-- the draft's quantized lm_head (`SubSpecOptions.draft_lm_heads`: `draft_lm_head` "quantized", or
-  "auto" with an auto shape);
-- dense twins: with `kernel: "auto"`, a bf16 copy of a substitute's HQQ weights for the row
-  counts where a plain matmul beats the int4 kernel (2 bytes per weight, as much as the target).
-
-`cpu_draft_memory` (a fraction of the target's weight bytes, 0.4 by default) bounds all of it:
-twins are kept, in layer order, only while they fit the bound and leave the KV cache room for
-one `max_model_len` request. When even the int4 substitutes leave no such room, the engine stops
-here, before quantizing anything, with the numbers and the settings that fix it.
+Design: docs/substitutes.md, "Host memory on the CPU backend".
 """
 
 from __future__ import annotations
@@ -91,12 +82,11 @@ def plan_host_memory(shapes: list[tuple[int, int]], fraction: float, bits: int,
 
 
 def fit_kv_cache(substitutes, kv_room: Callable[[], tuple[int | None, int]]) -> None:
-    """After vLLM's weight processing, with the draft built: what vLLM's CPU worker will give
-    the KV cache is now known (its RSS). When one max_model_len request does not fit, dense
-    twins are dropped (the last layers' first) until it does; when it still does not, one
-    clear error (the substitutes stay cached: the next start builds nothing).
-    kv_room: () -> (bytes the KV cache would get now, or None if set explicitly; bytes of one
-    max_model_len request), vllm_hooks/cpu_memory.py."""
+    """After vLLM's weight processing, with the draft built: when what vLLM's CPU worker will
+    give the KV cache cannot hold one max_model_len request, drop dense twins (the last layers'
+    first) until it can, else raise one clear error. kv_room: () -> (bytes the KV cache would
+    get now, or None if set explicitly; bytes of one max_model_len request),
+    vllm_hooks/cpu_memory.py."""
     room, need = kv_room()
     if room is None or room >= need:
         return
@@ -116,8 +106,9 @@ def fit_kv_cache(substitutes, kv_room: Callable[[], tuple[int | None, int]]) -> 
 def vllm_cpu_weight_growth(model: torch.nn.Module) -> int:
     """Bytes vLLM's CPU backend adds when it processes the loaded weights: each vocabulary
     embedding (embed_tokens, and the lm_head when it is not tied) gets a packed copy and keeps
-    its weight (`remove_weight=False`, vllm/model_executor/layers/vocab_parallel_embedding.py:71;
-    linears drop theirs, linear.py:216)."""
+    its weight (`remove_weight=False` in vLLM's
+    `UnquantizedEmbeddingMethod.process_weights_after_loading`; linears drop theirs,
+    `UnquantizedLinearMethod.process_weights_after_loading`)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()

@@ -1,26 +1,9 @@
-"""HQQ's 4-bit group quantizer, solved in cache-sized chunks on every core the process may use.
+"""HQQ's group quantizer (`quantize_groups`), solved in cache-sized chunks on every core the
+process may use. Its codes, scales and zeros are bit-identical to HQQ 0.2.8.post1's
+`HQQLinear.from_weights` with `BaseQuantizeConfig(nbits, group_size, axis=1)`
+(tests/unit/test_hqq.py compares against the installed hqq), whatever the thread count.
 
-The math is HQQ 0.2.8.post1's, operation for operation, so the codes, scales and zeros are
-bit-identical to `HQQLinear.from_weights` with `BaseQuantizeConfig(nbits, group_size, axis=1)`
-(tests/unit/test_hqq.py compares against the installed hqq):
-- initial scale and zero from each group's min/max, the zero rounded at 4 bits
-  (hqq/core/quantize.py `Quantizer.quantize`; `round_zero` is set for 4 bits in
-  hqq/core/quantize.py `hqq_base_quant_config`);
-- the proximal solver refines the zero point (hqq/core/optimize.py
-  `optimize_weights_proximal_legacy` and its `_step`, `shrink_lp_op`): lp-norm 0.7, beta 10,
-  at most 20 iterations, stopping at the first whose mean |W - W_r| does not improve; it runs in
-  fp16 on CUDA and fp32 elsewhere;
-- HQQLinear then stores scale (inverted) and zero in the compute dtype (bf16 on CPU, fp16 on
-  CUDA), which the substitutes read back as float.
-
-Why not call HQQ: its CPU solve streams the whole weight through ~17 full-size temporaries per
-iteration on one thread (about 7.5 s for an 8960x1536 weight, 4-25 s per linear of
-Qwen2.5-1.5B). Here each iteration walks the weight in chunks that stay in the core's cache,
-writing into preallocated buffers, and the chunks are shared among threads pinned to the cores
-the process may use (vLLM's CPU worker pins its own thread to one core; loading happens before
-it serves, when the others are idle). Every group is solved by the same elementwise operations
-as HQQ's, and the stopping error is summed per chunk in a fixed order, so the result does not
-depend on the thread count. On CUDA the whole block is one chunk on the calling thread.
+Design: docs/substitutes.md, "The HQQ solver".
 """
 
 from __future__ import annotations
@@ -33,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 HQQ_RELEASE = "0.2.8.post1"  # the hqq whose numbers these are (the substitute cache's key)
-LP_NORM, BETA, ITERS = 0.7, 10.0, 20  # hqq/core/optimize.py optimize_weights_proximal_legacy
+LP_NORM, BETA, ITERS = 0.7, 10.0, 20  # hqq.core.optimize.optimize_weights_proximal_legacy
 
 # Elements per chunk: its four fp32 buffers (1 MiB each) are reused for every chunk. Measured on
 # an 8960x1536 weight, two pinned threads, torch at one thread (as in vLLM's CPU worker):

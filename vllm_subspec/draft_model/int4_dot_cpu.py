@@ -1,13 +1,9 @@
 """The AVX512-BF16 int4 kernel for CPU substitutes (csrc/int4_dot_cpu.cpp): its build, its
-weight layout and its call.
+weight layout and its call. Built with torch's cpp_extension on first use, on x86 CPUs whose
+flags include AVX512-BF16; elsewhere, or if the build fails (logged once), the substitutes use
+torch's tinygemm kernel.
 
-torch's tinygemm CPU kernel (`aten._weight_int4pack_mm_for_cpu`) dequantizes the weight again
-for every row of x: 6 rows cost ~3x one. This kernel unpacks each block of 4-bit codes once into
-bf16 vectors (7 instructions per 128 codes) and multiplies it with up to 8 rows (`vdpbf16ps`,
-fp32 accumulation), applying each group's scale and zero point once per group. It is built with
-torch's cpp_extension on first use (a C++ compiler and ninja; ~30 s once, then loaded from
-torch's extension cache) on x86 CPUs whose flags include AVX512-BF16; elsewhere, or if the build
-fails (logged once), the substitutes use tinygemm.
+Design: docs/substitutes.md, "The AVX512-BF16 int4 kernel".
 """
 
 from __future__ import annotations
@@ -84,7 +80,7 @@ def build_lock(folder: Path):
     """One process at a time loads or builds the kernel in `folder`, under an flock the kernel
     releases when its holder dies. torch's cpp_extension takes a lock file of its own on every
     load (`folder/lock`) and waits forever for one a killed process left behind
-    (torch/utils/file_baton.py: FileBaton.wait has no timeout); under the flock any such file
+    (`torch.utils.file_baton.FileBaton.wait` has no timeout); under the flock any such file
     is a dead process's, so it is removed first."""
     with open(folder / "vllm_subspec.flock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

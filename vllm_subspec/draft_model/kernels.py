@@ -1,12 +1,10 @@
 """The kernels a substitute runs: each turns a `QuantizedWeight` into a callable
-`x -> x @ W_deq.T` that owns only its packed tensors (`choose_kernel` picks one per device).
+`x -> x @ W_deq.T` that owns only its packed tensors; `choose_kernel` picks one per device:
+`Int4DotCpuKernel` (x86 with AVX512-BF16) and `Int4CpuKernel` (tinygemm), each with an
+optional dense twin; `GemliteKernel` (CUDA only); `ReferenceKernel` (dequantize + matmul, any
+bit width: the oracle for tests).
 
-- `Int4DotCpuKernel`: x86 CPUs with AVX512-BF16 (int4_dot_cpu.py, a C++ kernel built on first
-  use); the numbers tinygemm stores, the same dense twin as `Int4CpuKernel`.
-- `Int4CpuKernel`: `aten._weight_int4pack_mm_for_cpu` (tinygemm), with a dense twin of the same
-  HQQ weights from the row count where a plain matmul is faster (dense_twin.py).
-- `GemliteKernel`: GemLite A16W4 (CUDA only; gemlite is imported lazily, never on CPU).
-- `ReferenceKernel`: dequantize + matmul on every call; the oracle for tests, any bit width.
+Design: docs/substitutes.md, "Kernels".
 """
 
 from __future__ import annotations
@@ -143,12 +141,10 @@ class Int4CpuKernel:
 
 
 class Int4DotCpuKernel(Int4CpuKernel):
-    """`Int4CpuKernel` with the AVX512-BF16 kernel in tinygemm's place (int4_dot_cpu.py): each
-    64-byte block of codes is unpacked once into bf16 and multiplied with up to 8 rows, so a
-    tree level of k rows costs far less than k chain steps (measured in
-    benchmarks/draft_kernels.py). It stores what tinygemm stores (the codes, s and (8 - z)*s
-    in bf16) in its own layout and computes in bf16 activations, also for float16 models; the
-    dense twin, its crossover and the call are `Int4CpuKernel`'s."""
+    """`Int4CpuKernel` with the AVX512-BF16 kernel in tinygemm's place (int4_dot_cpu.py): what
+    tinygemm stores (the codes, s and (8 - z)*s in bf16) in its own layout, bf16 activations
+    also for float16 models; the dense twin, its crossover and the call are `Int4CpuKernel`'s.
+    Why it is faster: docs/substitutes.md, "The AVX512-BF16 int4 kernel"."""
 
     name = "int4_cpu_dot"
     linear = staticmethod(int4_dot_cpu_linear)
@@ -168,10 +164,6 @@ class Int4DotCpuKernel(Int4CpuKernel):
     @staticmethod
     def pack(qw: QuantizedWeight, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return int4_dot_cpu.pack(qw.codes, qw.scale, qw.zero)
-
-
-# Row counts timed to find where a dense matmul overtakes the int4 kernel (those up to the most
-# rows a draft pass can send).
 
 
 class ReferenceKernel:
@@ -199,15 +191,10 @@ class ReferenceKernel:
 
 
 class GemliteKernel:
-    """GemLite A16W4 (Triton), fma mode: W = q*s + (-z*s), with HQQ's fractional zeros.
-
-    GemLite keeps the metadata in the activation dtype: `from_weights` casts scales and zeros to
-    it (gemlite/helper.py:219-220) and `pack` stores the fma offset `(-z*s)` rounded back to it
-    (gemlite/core.py:674). In bf16 that offset is off HQQ's fp32 value by up to ~0.04
-    quantization steps (0.036 measured on a 1536x576 weight, fp16: 0.0044;
-    tests/integration/test_gemlite_interpreter.py).
-    Written against gemlite 0.6.0.post2 (`gemlite.helper.A16W4_HQQ_INT.from_weights`).
-    """
+    """GemLite A16W4 (Triton), fma mode: W = q*s + (-z*s), with HQQ's fractional zeros. The
+    metadata is kept in the activation dtype (in bf16 the offset -z*s is off HQQ's fp32 value
+    by up to ~0.04 quantization steps: docs/substitutes.md, "GemLite"). Written against
+    gemlite 0.6.0.post2 (`gemlite.helper.A16W4_HQQ_INT.from_weights`)."""
 
     name = "gemlite"
 
@@ -223,12 +210,13 @@ class GemliteKernel:
             W_q=qw.codes, scales=qw.scale.to(dtype), zeros=qw.zero.to(dtype), bias=None
         )
         # GEMM_SPLITK loads the scale/zero row of every K block its SPLIT_K programs visit
-        # without a mask (gemm_splitK_kernels.py:438-449), also the blocks wholly past K when
-        # K / BLOCK_SIZE_K is not a multiple of SPLIT_K (K=576: 9 blocks, SPLIT_K=2): an
-        # out-of-bounds read whose NaN/inf reaches the output (0 * NaN; seen under the
-        # interpreter, tests/integration/test_gemlite_interpreter.py). Back those rows with
-        # zeros, up to a multiple of 16 groups (SPLIT_K <= 16, gemm_splitK_kernels.py:170);
-        # views keep GemLite's shapes and strides.
+        # without a mask (gemlite.triton_kernels.gemm_splitK_kernels.gemm_splitK_INT_kernel),
+        # also the blocks wholly past K when K / BLOCK_SIZE_K is not a multiple of SPLIT_K
+        # (K=576: 9 blocks, SPLIT_K=2): an out-of-bounds read whose NaN/inf reaches the output
+        # (0 * NaN; seen under the interpreter, tests/integration/test_gemlite_interpreter.py).
+        # Back those rows with zeros, up to a multiple of 16 groups (SPLIT_K <= 16: the
+        # configs of gemm_splitK_kernels.get_max_autotune_config_nvidia); views keep
+        # GemLite's shapes and strides.
         for name in ("scales", "zeros"):
             meta = getattr(self.layer, name)
             groups = meta.shape[0]
@@ -241,7 +229,8 @@ class GemliteKernel:
 
     def tensors(self) -> list[torch.Tensor]:
         # pack() re-registers W_q/scales/zeros/metadata/orig_shape/meta_scale as Parameters
-        # (gemlite/core.py:765-793); the placeholders __init__ made are buffers (core.py:382-387).
+        # (gemlite.core.GemLiteLinearTriton.pack); the placeholders __init__ made are buffers
+        # (GemLiteLinearTriton.__init__).
         seen: dict[int, torch.Tensor] = {}
         for t in itertools.chain(self.layer.parameters(), self.layer.buffers()):
             seen.setdefault(id(t), t)
@@ -251,8 +240,9 @@ class GemliteKernel:
         from gemlite.core import get_matmul_type
         from gemlite.triton_kernels import utils
 
-        # utils.get_closest_m is what set_autotune_setting replaces (core.py:93) and what the
-        # kernel modules bind on (re)load (`from .utils import *`, triton_kernels/config.py:34).
+        # utils.get_closest_m is what gemlite.core.set_autotune_setting replaces and what the
+        # kernel modules bind on (re)load (`from .utils import *`; the reload:
+        # gemlite.triton_kernels.config.reload_all_modules).
         return gemlite_warm_up_key(m, utils.get_closest_m, get_matmul_type)
 
 

@@ -1,9 +1,9 @@
-"""Which decoder layers get a substitute: the ones vLLM's weight offloader keeps in CPU memory.
+"""Which decoder layers get a substitute: the ones vLLM's weight offloader keeps in CPU memory,
+read from the live offloader (CUDA), or on the CPU backend, where vLLM's offloaders move
+nothing, planned by the same rules (vLLM 0.32's `UVAOffloader._maybe_offload_to_cpu` and
+`PrefetchOffloader.wrap_modules`).
 
-Read from the live offloader when it really moved weights (CUDA); on the CPU backend vLLM's
-offloaders do nothing (UVA skips modules already on CPU, prefetch refuses to start), so the same
-placement rule is applied to the layer list instead. Both rules are vLLM 0.32's
-(`vllm/model_executor/offloader/uva.py` `_maybe_offload_to_cpu`, `prefetch.py` layer grouping).
+Design: docs/substitutes.md, "Which layers get a substitute".
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The draft model is the target model in "draft mode".
+"""The draft model: the target model in "draft mode". Embedding, final norm and every
+non-substituted decoder layer are the target's own modules, the lm_head the target's or the
+draft's quantized copy. A substituted layer is a copy of the target layer that shares its
+`Attention` (hence its KV cache) and rotary embedding and runs `SubstituteLinear`s.
 
-Embedding, final norm, lm_head and every non-substituted decoder layer are the target's own
-modules. A substituted layer is a copy of the target layer that shares the target's `Attention`
-module (hence its KV cache and its name in vLLM's forward context) and its rotary embedding, owns
-copies of its small tensors (norms, biases), and runs its linears through `SubstituteLinear`s.
+Design: docs/substitutes.md, "The draft model".
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class DraftModel(nn.Module):
     """Callable like vLLM's CausalLM: forward(input_ids, positions) -> hidden states."""
 
     def __init__(self, target: nn.Module, substitutes, device: torch.device):
-        """substitutes: the target's `SubstituteSet`."""
+        """substitutes: the `SubstituteSet` built for `target` (the drafter's)."""
         super().__init__()
         # Kept out of the module tree: these are the target's modules, owned by the runner.
         self.__dict__["target"] = target
@@ -136,10 +136,9 @@ class DraftModel(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor, head: str | None = None
                        ) -> torch.Tensor:
-        """The draft's logits through `head`: "quantized", its own lm_head, finished as vLLM's
-        LogitsProcessor.forward finishes the target's (logits_processor.py 0.32.0: vocabulary
-        padding cut, soft cap, scale), or "target", the target's own; None: its own when it
-        has one."""
+        """The draft's logits through `head`: "quantized", its own lm_head, finished as vLLM
+        0.32's `LogitsProcessor.forward` finishes the target's (vocabulary padding cut, soft
+        cap, scale), or "target", the target's own; None: its own when it has one."""
         if head == "quantized" and self.lm_head is None:
             raise ValueError("vllm-subspec: the draft holds no quantized lm_head")
         if self.lm_head is None or head == "target":

@@ -1,5 +1,8 @@
 """Group quantization of a target weight: `quantize(weight) -> QuantizedWeight`, by HQQ's solver
-(`hqq.py`) or round-to-nearest. The kernels that run a quantized weight: kernels.py."""
+(`hqq.py`) or round-to-nearest. The kernels that run a quantized weight: kernels.py.
+
+Design: docs/substitutes.md, "Quantization".
+"""
 
 from __future__ import annotations
 
@@ -36,14 +39,11 @@ QUANTIZE_BLOCK_ELEMENTS = 1 << 25
 
 
 def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 64, method: str = "hqq"):
-    """Quantize a [N, K] weight with HQQ (axis=1, i.e. groups of consecutive input elements).
-
-    `method="hqq"` runs HQQ's proximal solver (refines the zero point; draft_model/hqq.py, the
-    same numbers as the hqq package); `"rtn"` is plain min/max round-to-nearest. The input is
-    not modified and no full-precision copy is kept.
-    Groups never span rows, so a large weight is solved in blocks of rows (each block's solver
-    stops on its own error, so a blocked HQQ solve can differ slightly from a whole one).
-    """
+    """Quantize a [N, K] weight in groups of consecutive input elements (HQQ's axis=1):
+    `method="hqq"` by HQQ's proximal solver (draft_model/hqq.py), `"rtn"` by plain min/max
+    round-to-nearest. The input is not modified and no full-precision copy is kept. A large
+    weight is solved in blocks of rows, so its HQQ solve can differ slightly from a whole one
+    (docs/substitutes.md, "Quantization")."""
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")

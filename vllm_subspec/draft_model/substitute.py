@@ -1,5 +1,8 @@
 """`SubstituteLinear`: a low-bit copy of a target linear, built from the target's own weights,
-that drops into a vLLM decoder layer where a `LinearBase` was (it returns `(y, None)`)."""
+that drops into a vLLM decoder layer where a `LinearBase` was (it returns `(y, None)`).
+
+Design: docs/substitutes.md.
+"""
 
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
-"""On-disk cache of built substitutes, so a model's HQQ solve runs once, not on every start.
+"""On-disk cache of built substitutes, so a model's HQQ solve runs once, not on every start: each
+linear's `QuantizedWeight` in a safetensors file, keyed by the model's weight files, the linear,
+the quantization options and the versions (`SubstituteCache.key`), in the folder the
+`substitute_cache` option names (`cache_root`). A bad entry is logged and rebuilt; an
+unwritable cache logs a warning and never stops the engine.
 
-HQQ's proximal solver costs about a second per large linear on a CPU (draft_model/hqq.py;
-the hqq package itself took 4-25 s per linear of Qwen2.5-1.5B on one core). What it
-produces, a `QuantizedWeight` (codes, scale, zero), is stored per linear in a safetensors file; a kernel is packed from it at load,
-which is cheap. Nothing here ever changes what the target outputs: substitutes only draft.
-
-Key (all of it must match, or the entry is rebuilt and overwritten):
-- the model's weight files: name, size and mtime of every *.safetensors / *.bin / *.pt / *.pth /
-  *.gguf in the model folder (a hub id is resolved to its local snapshot; otherwise no cache);
-- the linear: layer index, name, shape, dtype, and the device type (HQQ solves in fp16 on CUDA
-  and fp32 on CPU, so the two give different substitutes);
-- bits, group size, quantizer;
-- versions: this cache format, vllm-subspec, the solver (the hqq release whose numbers
-  draft_model/hqq.py reproduces), torch and vLLM.
-
-Location (`substitute_cache` in `speculative_config`): unset / true -> `$VLLM_SUBSPEC_CACHE_DIR`,
-else `$XDG_CACHE_HOME/vllm-subspec`, else `~/.cache/vllm-subspec`, plus `substitutes/`;
-a path -> that folder; false -> off. Entries live in `<root>/<model folder name>-<fingerprint>/`.
-Writes go to a temp file renamed into place (atomic); a truncated, corrupt or mismatched entry
-is logged and rebuilt; an unwritable cache logs a warning and never stops the engine.
+Design: docs/substitutes.md, "The substitute cache".
 """
 
 from __future__ import annotations
@@ -51,8 +37,9 @@ def cache_root(setting) -> Path | None:
 
 
 def gemlite_autotune_path(options, kernels, device) -> Path | None:
-    """The file GemLite's autotuning is kept in across starts (`gemlite_tuning.gemlite_autotune_kept`),
-    or None: no GemLite kernel among `kernels`, or the cache is off."""
+    """The file GemLite's autotuning is kept in across starts
+    (`gemlite_tuning.gemlite_autotune_kept`), or None: no GemLite kernel among `kernels`, or the
+    cache is off."""
     from vllm_subspec.draft_model.gemlite_tuning import gemlite_autotune_file
     from vllm_subspec.draft_model.kernels import GemliteKernel
 

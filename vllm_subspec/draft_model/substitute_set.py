@@ -1,5 +1,8 @@
 """The substitutes built for one target: which layers get one, building them (or loading them
-from the substitute cache) from the target's own weights, and what they cost in memory."""
+from the substitute cache) from the target's own weights, and what they cost in memory.
+
+Design: docs/substitutes.md, "Building the substitute set".
+"""
 
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handl
 
 @dataclass
 class SubstituteSet:
-    """The substitutes built for one target model, keyed by decoder layer index."""
+    """The substitutes built for one target model, keyed by decoder layer index (held by the
+    drafter, `SubSpecProposer.substitutes`; nothing is stored on the target)."""
 
     num_layers: int = 0  # decoder layers in the target
     layers: dict[int, dict[str, SubstituteLinear]] = field(default_factory=dict)
@@ -144,9 +148,10 @@ class SubstituteSet:
 def build_substitute_set(model: nn.Module, options: SubSpecOptions, vllm_config,
                          device: torch.device, kv_room=None) -> SubstituteSet:
     """The substitutes of the layers `options` selects (by default the ones vLLM's offloader
-    put in host memory), from the freshly loaded target. kv_room: on vLLM's CPU backend,
-    () -> (bytes the KV cache would get now, or None when set explicitly; bytes of one
-    max_model_len request): the draft's host memory is planned against it (host_memory.py)."""
+    put in host memory), from the freshly loaded target (`SubSpecProposer.build_substitutes`).
+    kv_room: on vLLM's CPU backend, () -> (bytes the KV cache would get now, or None when set
+    explicitly; bytes of one max_model_len request): the draft's host memory is planned
+    against it (host_memory.py)."""
     from vllm.model_executor.offloader.base import get_offloader
 
     from vllm_subspec.draft_model.layer_selection import offloaded_layer_indices
@@ -223,12 +228,12 @@ def _jobs(model: nn.Module, layer_indices: list[int], options: SubSpecOptions):
 def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSpecOptions,
                       device: torch.device, cache="auto", max_rows: int = 0,
                       memory: HostMemoryPlan | None = None) -> SubstituteSet:
-    """Quantize the linears of the chosen layers. Called on freshly loaded target weights.
-
-    cache: a `SubstituteCache`, None (build everything), or "auto": the cache for the model of
-    the current vLLM config (`substitute_cache` option), if any. max_rows: the most rows a draft
-    pass can send (the CPU kernel's choice per row count, `kernels.Int4CpuKernel`).
-    memory: the host-memory plan dense twins must fit (None: no bound)."""
+    """Quantize the linears of the chosen layers (and the lm_head for a quantized draft head),
+    from freshly loaded target weights. cache: a `SubstituteCache`, None (build everything), or
+    "auto": the cache for the current vLLM config's model (`substitute_cache` option), if any.
+    max_rows: the most rows a draft pass can send (the CPU kernel's choice per row count,
+    `kernels.Int4CpuKernel`). memory: the host-memory plan dense twins must fit (None: no
+    bound)."""
     from vllm_subspec.draft_model.substitute_cache import cache_for_current_model, quantized_weights
 
     if cache == "auto":
@@ -254,7 +259,8 @@ def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSp
     subs.cache_hits = cache.hits if cache else 0
     subs.built = len(jobs) - subs.cache_hits
     subs.build_seconds = time.perf_counter() - start
-    # Substitutes live on the device only: SubSpec adds no host memory to plain offloading.
+    # Substitutes live on the draft's device only: on CUDA, SubSpec adds no host memory to
+    # plain offloading (on the CPU backend, host memory is the device: host_memory.py).
     stray = [s.source_name for s in subs.every()
              if any(t.device.type != device.type for t in s.tensors())]
     if stray:

@@ -1,10 +1,9 @@
 """Which of the draft's two lm_heads drafts: the target's own, or the draft's quantized copy.
+The head whose logits were timed cheaper at load drafts first (`observe_cost`); acceptance is
+compared in pairs on the same target draws (`LmHeadComparison`), and the shape tuner switches
+heads when the other is predicted faster by a margin (`ShapeTuner._choose`).
 
-Each head's logits are timed at load (`observe_cost`); the cheaper one drafts first. Their
-acceptance is then compared in pairs on the same target draws (`LmHeadComparison`), and the
-shape tuner switches heads when the other is predicted faster by a margin
-(`ShapeTuner._choose`). How the comparison is scheduled and scored: docs/configuration.md,
-"the draft's lm_head".
+Design: docs/shape_tuner.md, "The draft's lm_head".
 """
 
 from __future__ import annotations

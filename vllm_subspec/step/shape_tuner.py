@@ -1,36 +1,10 @@
-"""Auto tree shape and adaptive depth: spend draft passes only where they pay.
+"""Auto tree shape and adaptive depth: spend draft passes only where they pay. `ShapeTuner`
+picks each step's width and deepest depth (or no draft), which requests draft one more depth,
+how many depths each sends to verification and which lm_head drafts, from costs fitted online
+(`StepCosts`) and calibrated acceptance (`MassCalibration`, `WidthAcceptance`). It only decides
+how much to draft: the target verifies whatever was drafted, so no output can change.
 
-A tree step of B requests, width k and depth d costs (the paper's Eq. 3, with vLLM's overheads)
-
-    T(d) = t_other + t_pass(B) + (d - 1) * t_pass(B * k) + t_verify(B + B * k * d)
-
-seconds (the root pass drafts depth 1 from the B bonus tokens; each later pass drafts one more
-depth from the B*k frontier nodes, fewer once requests have stopped) and emits E(d) = sum
-over requests of 1 + sum_{j<=d} P(the walk accepts a depth-j node) tokens. Everything here only
-decides how much to draft: the target verifies whatever was drafted, so no decision can change
-what a request outputs.
-
-- `StepCosts` of `LinearCost`s: t_pass(rows) and t_verify(rows), fitted online as a + b * rows,
-  per width (a chain's verify rows are causal and cost little; a tree's rows each need masked
-  attention). Injectable: a benchmark or test passes its own cost model (`use_costs`).
-- `MassCalibration`: P(depth j accepted) from the draft's own belief, the frontier mass at depth
-  j - 1 (the summed sharpened path probability of the k nodes kept there), calibrated online
-  against what the target accepted.
-- `ShapeTuner`: per step, the width k and the deepest depth D_max (auto shape; re-chosen every
-  `RECHOOSE_EVERY` steps from per-width acceptance and the measured costs, each width explored
-  first), or no draft at all when a plain decoding step, T = t_other + t_verify(B) for B tokens,
-  is predicted faster (an auto depth only; probe steps still draft, so the statistics stay
-  current: one in RECHOOSE_EVERY at first, backing off to one in MAX_PROBE_EVERY while plain
-  decoding keeps winning); within a step, which requests draft one more depth
-  (`drafting_next`: a request whose next depth does not pay for its own rows drops out of the
-  later passes; the rest go on while the next depth's expected tokens per extra second beat
-  the step's rate so far) and how many depths each request sends to verification
-  (`verify_depths`: a depth whose verify rows cost more than they are expected to yield is not
-  verified; on a GPU with offloading verify rows are almost free and nothing is cut);
-  and, when the draft holds two lm_heads (`draft_lm_head: "auto"`), which one drafts
-  (`lm_head_choice`: both heads scored in pairs on the same target draws at every node of
-  accepted paths, per width; the heads' costs per row measured at load, the cheaper drafting
-  first).
+Design: docs/shape_tuner.md.
 """
 
 from __future__ import annotations
@@ -155,9 +129,8 @@ class StepPlan:
 
 
 class ShapeTuner:
-    """Chooses each tree step's width and depth from online measurements (module docstring).
-
-    Driven by the step session only (step/session.py): `plan_step` before drafting,
+    """Chooses each tree step's width and depth from online measurements (docs/shape_tuner.md).
+    Driven by the step session (step/session.py) only: `plan_step` before drafting,
     `drafting_next` during it, `verify_depths` at its end; `observe_draft`, `observe_verify`
     (the target's tree pass), `observe_other` (the rest of a step) and `observe_tree` (what was
     accepted) report what happened. `costs`: the cost model (default: measured online)."""
@@ -345,17 +318,11 @@ class ShapeTuner:
         return tokens, seconds
 
     def drafting_next(self, log_mass: torch.Tensor, width: int, reached: list[int]) -> list[int]:
-        """After drafting up to depth d = max(reached): which requests draft depth d + 1.
-
-        log_mass: [B, d + 1] log frontier mass at depths 0..d (depth 0: the root, 0.0; -inf past
-        a request's own depth), CPU. reached: [B] the depth each request has drafted; those at d
-        are the candidates. A candidate goes on while its next depth's expected tokens pay for
-        its own rows (k draft rows and k verify rows, at the step's predicted rate so far): one
-        whose tree has lost the target drops out, and the others' passes get cheaper. Where rows
-        cost nothing (a GPU's passes and verify are flat in rows) nobody drops out. Then the
-        ones left go on together while their expected tokens per extra second (one more pass
-        over their rows and the verify of those rows) beat the step's rate so far. Returns
-        their indices; [] ends the step's drafting."""
+        """After drafting up to depth d = max(reached): the indices of the requests that draft
+        depth d + 1 ([] ends the step's drafting). log_mass: [B, d + 1] log frontier mass at
+        depths 0..d (depth 0: the root, 0.0; -inf past a request's own depth), CPU. reached:
+        [B] the depth each request has drafted; those at d are the candidates. The rule:
+        docs/shape_tuner.md, "Adaptive depth within a step"."""
         d = log_mass.shape[1] - 1
         p = self.calibration.predict(log_mass.exp())  # [B, d + 1]: P(depth j + 1 accepted)
         tokens, seconds = self._step_so_far(p, width, reached)

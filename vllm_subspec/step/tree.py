@@ -1,9 +1,9 @@
 """Dynamic draft trees: layout, growth by global top-k, ancestor masks, the accepted path.
+A tree of depth D and width k has n = 1 + D*k nodes numbered level by level (root 0: the bonus
+token of the last step); node i lives in KV slot L + i of its request and is computed at RoPE
+position L + depth(i) (L: the root's position). Depth-D nodes are never forwarded by the draft.
 
-A tree of depth D and width k has n = 1 + D*k nodes numbered level by level: the root 0 (the
-bonus token of the last step), depth d holds nodes (d-1)*k+1 .. d*k. Node i lives in KV slot
-L + i of its request (L = the root's position) and is computed at RoPE position L + depth(i):
-slots are not positions. Depth-D nodes are produced by the draft but never forwarded by it.
+Design: docs/shape_tuner.md, "Dynamic trees".
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ class TreeShape:
 
 
 class TreeBatch:
-    """The trees of a batch of requests, grown one depth at a time on the device.
-
-    tokens [B, n], parents [B, n] (root: -1), log-scores [B, n] (sum of log q along the path,
-    fp32: the product of 48 probabilities underflows in fp16), the ancestor-or-self mask
-    [B, n, n] kept incrementally (a node copies its parent's row and adds itself), and the log
-    frontier mass [B, D + 1]: log of the summed path probability of the nodes kept at each depth
-    (depth 0, the root: 0), the draft's belief that the accepted path gets that deep.
-    """
+    """The trees of a batch of requests, grown one depth at a time on the device: tokens
+    [B, n], parents [B, n] (root: -1), log-scores [B, n] (fp32 sums of log q along the path),
+    the ancestor-or-self mask [B, n, n] and the log frontier mass [B, D + 1] (log of the summed
+    path probability of the nodes kept at each depth; the root's 0). docs/shape_tuner.md,
+    "Dynamic trees"."""
 
     def __init__(self, shape: TreeShape, root_tokens: torch.Tensor):
         b, n = root_tokens.shape[0], shape.num_nodes
@@ -58,13 +55,11 @@ class TreeBatch:
         self.grown = 0  # depths filled so far
 
     def grow(self, log_q: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """Add the next depth from the draft's log-probabilities at the current frontier.
-
-        log_q: [R, V] at the root for depth 1, else [R, k, V] at the k frontier nodes of the R
-        requests in `rows` (indices, default all B). Keeps the global top-k of
-        score(parent) + log q(token | parent) over all k*V candidates. A request left out has
-        stopped: its nodes at this depth stay parentless and its mass -inf (never verified).
-        """
+        """Add the next depth from the draft's log-probabilities at the current frontier: log_q
+        [R, V] at the root for depth 1, else [R, k, V] at the k frontier nodes of the R requests
+        in `rows` (indices, default all B). Keeps the global top-k of score(parent) +
+        log q(token | parent) over all k*V candidates. A request left out has stopped: its nodes
+        at this depth stay parentless and its mass -inf (never verified)."""
         k = self.shape.width
         d = self.grown + 1
         sel = slice(None) if rows is None else rows
@@ -115,12 +110,10 @@ def sharpened_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tenso
 
 
 def accepted_path(tokens: list[int], parents: list[int], target: list[int]) -> list[int]:
-    """Sample-then-match walk over one tree. Returns the accepted node indices (root excluded).
-
+    """Sample-then-match walk over one tree: the accepted node indices (root excluded).
     target[i] is the target's token drawn at node i (argmax when greedy): from the root, move to
     the child whose token equals the draw at the current node, while there is one. The emitted
-    tokens are target[a] for a in [0] + path: the draws along the path, the last being the bonus.
-    """
+    tokens are target[a] for a in [0] + path: the draws along the path, the last the bonus."""
     children: dict[int, dict[int, int]] = {}
     for i in range(1, len(tokens)):
         # keep the first (highest-scored) child per token; a duplicate could never be reached

@@ -20,12 +20,14 @@ def kv_room_and_need(vllm_config) -> tuple[int | None, int]:
     spec = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(pc),
                              head_size=mc.get_head_size(),
                              dtype=kv_cache_dtype_str_to_dtype(cc.cache_dtype, mc))
-    # plus the null block the block pool holds back (kv_cache_utils.py:1122-1128)
+    # plus the null block the block pool holds back
+    # (vllm.v1.core.kv_cache_utils.check_enough_kv_cache_memory)
     need = mc.get_num_layers(pc) * (spec.max_memory_usage_bytes(vllm_config)
                                     + spec.page_size_bytes)
     if cc.kv_cache_memory_bytes is not None:
         return None, need
-    # the worker's own formula (cpu_worker.py:72-75, 208-212, 235-236)
+    # the worker's own formula (vllm.v1.worker.cpu_worker.CPUWorker: requested_cpu_memory in
+    # __init__, the node and the RSS subtracted in determine_available_memory)
     node = get_allowed_cpu_list()[0].numa_node
     requested = math.ceil(get_memory_node_info(node).total_memory * cc.gpu_memory_utilization)
     return requested - resident_bytes(), need

@@ -1,20 +1,10 @@
-"""SubSpec's own numbers in vLLM's Prometheus metrics (`/metrics` of `vllm serve`).
-
-The numbers live in the worker (the step session's `StepStats`, the substitutes' bytes); vLLM's
-metrics live in the front-end process, and nothing vLLM sends from the engine core to the front
-end can carry extra fields (`SchedulerStats` is re-built from its declared fields on decode). So
-the two ends meet in a small memory-mapped file per engine:
-
-* worker (`StepMetricsFile`, tensor-parallel rank 0 of each engine): after each proposal, a few
-  float64 stores into the mapped array: no syscall, no lock, nothing on the device;
-* front end (`SubSpecStatLogger`, vLLM's `vllm.stat_logger_plugins` extension point): registers
-  a collector that reads each engine's file when Prometheus scrapes, so values are never stale.
-
-The folder is named by `SUBSPEC_METRICS_DIR`, which `plugin.register` sets (if unset) in the
-first vLLM process, before vLLM starts its engine processes, which inherit it; the front-end
-logger creates it once the engines are up and removes it at exit. A worker writes nothing
-unless the folder exists, i.e. unless a front end reads it (offline `LLM()` loads no stat logger
-plugins: benchmarks read `StepStats` through `collective_rpc`).
+"""SubSpec's own numbers in vLLM's Prometheus metrics (`/metrics` of `vllm serve`). They live in
+the worker (`StepStats`, the substitutes' bytes), and nothing the engine core sends the front end
+can carry extra fields (`SchedulerStats` is re-built from its declared fields on decode), so the
+two meet in a small memory-mapped file per engine: the worker (`StepMetricsFile`) writes it, the
+front end's stat logger (`SubSpecStatLogger`) reads it when Prometheus scrapes. The folder
+(`SUBSPEC_METRICS_DIR`, named by `plugin.register`), and where the numbers do not appear:
+docs/troubleshooting.md, "SubSpec's own metrics".
 """
 
 from __future__ import annotations
@@ -32,9 +22,9 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
-# Not VLLM_-prefixed: vLLM warns about unknown VLLM_* variables (platforms/interface.py
-# `validate_environ`), and a declared one would enter its compile-cache key (envs.py
-# `compile_factors`) with a folder name that changes every start.
+# Not VLLM_-prefixed: vLLM warns about unknown VLLM_* variables
+# (`vllm.platforms.interface.Platform.validate_environ`), and a declared one would enter its
+# compile-cache key (`vllm.envs.compile_factors`) with a folder name that changes every start.
 METRICS_DIR_ENV = "SUBSPEC_METRICS_DIR"
 
 # The file's float64 fields, in order. Totals are since the engine started.
@@ -58,10 +48,11 @@ def metrics_path(directory: str, engine_index: int) -> str:
 
 
 class StepMetricsFile:
-    """The worker's end: one engine's numbers in a mapped float64 array (`FIELDS`), written
-    after each proposal. The front end creates the folder only once the engine is up, so the
-    file is opened at the first step that finds it (looked for at most every `LOOK_SECONDS`:
-    an offline engine, which nobody reads, pays one `stat` per interval)."""
+    """The worker's end (tensor-parallel rank 0 of each engine): its numbers in a mapped
+    float64 array (`FIELDS`), a few stores after each proposal (no syscall, no lock, nothing on
+    the device). The front end creates the folder once the engine is up, so the file is opened
+    at the first step that finds it (looked for at most every `LOOK_SECONDS`: an offline
+    engine, which nobody reads, pays one `stat` per interval and writes nothing)."""
 
     LOOK_SECONDS = 5.0
 
@@ -175,7 +166,9 @@ class SubSpecCollector:
 
 class SubSpecStatLogger(AggregateStatLoggerBase):
     """vLLM's stat-logger plugin (`vllm.stat_logger_plugins`: `subspec_metrics`), built once
-    per front end for all its engines. For an engine without SubSpec it does nothing."""
+    per front end for all its engines: creates the metrics folder (removed at exit if it made
+    it) and registers a collector that reads each engine's file at every scrape, so values are
+    never stale. For an engine without SubSpec it does nothing."""
 
     def __init__(self, vllm_config, engine_indexes: list[int]):
         from vllm_subspec.config import ADDITIONAL_CONFIG_KEY
