@@ -48,7 +48,10 @@ def parse_args():
     ap.add_argument("--memory-gb", type=float, default=8.0, help="GPU memory limit")
     ap.add_argument("--reserved-gb", type=float, default=1.5,
                     help="part of the limit kept for KV cache, activations and CUDA graphs")
-    ap.add_argument("--offload-backend", choices=["uva", "prefetch"], default="uva")
+    ap.add_argument("--offload-backend", choices=["auto", "uva", "prefetch"], default="auto",
+                    help="auto: --cpu-offload-gb as a user passes it (plain runs it on UVA, "
+                    "SubSpec translates it to the prefetch offloader: prefetch_plan.py); uva, "
+                    "prefetch: that backend for both engines")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--tree", default="6x48", help="KxD")
@@ -274,9 +277,12 @@ def prefetch_groups(num_layers: int, num_offload: int) -> tuple[int, int]:
 
 
 def offload_kwargs(backend: str, num_layers: int, num_offload: int, layer_gb: float) -> dict:
-    """vLLM engine arguments that put `num_offload` decoder layers in host memory."""
-    if backend == "uva":  # uva offloads layer by layer, in order, up to the byte budget
+    """vLLM engine arguments that put `num_offload` decoder layers in host memory ("auto": the
+    bytes of that many layers as `--cpu-offload-gb`, the backend left to the engine)."""
+    if backend == "auto":
         return dict(cpu_offload_gb=num_offload * layer_gb * 1e9 / 2**30)
+    if backend == "uva":  # uva offloads layer by layer, in order, up to the byte budget
+        return dict(cpu_offload_gb=num_offload * layer_gb * 1e9 / 2**30, offload_backend="uva")
     group, in_group = prefetch_groups(num_layers, num_offload)
     return dict(offload_backend="prefetch", offload_group_size=group,
                 offload_num_in_group=in_group, offload_prefetch_step=1)
@@ -297,6 +303,12 @@ def engine_plans(args, shape: ModelShape, total_gb: float) -> dict[str, dict]:
                       max_num_seqs=args.max_num_seqs,
                       **offload_kwargs(args.offload_backend, shape.num_layers, n,
                                        shape.layer_gb))
+        if subspec and args.offload_backend == "auto":  # SubSpec's engine rule: prefetch
+            from vllm_subspec.vllm_hooks.prefetch_plan import plan_prefetch, substitute_share
+
+            plan = plan_prefetch(shape.num_layers, int(shape.layer_gb * 1e9),
+                                 engine["cpu_offload_gb"], substitute_share(4, 64))
+            n = n if plan is None else len(plan.offloaded)  # its slots: more layers, same net
         plans[name] = {
             "engine": engine, "offloaded_layers": n,
             "speculative_config": {"method": "subspec", "tree_width": width,

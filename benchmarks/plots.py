@@ -86,3 +86,28 @@ def plot_projection(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_step_host(report: dict, path: Path) -> None:
+    """Host ms per verify step vs requests (per output length, with and without penalties),
+    and the draft loop's host ms per pass."""
+    plt = _pyplot()
+    fig, (ax_verify, ax_draft) = plt.subplots(1, 2, figsize=(11, 4))
+    series = sorted({(r["output_len"], r["penalties"]) for r in report["verify"]})
+    for output_len, penalties in series:
+        rows = sorted((r for r in report["verify"] if r["output_len"] == output_len
+                       and r["penalties"] == penalties), key=lambda r: r["batch"])
+        ax_verify.plot([r["batch"] for r in rows], [r["verify_ms"] for r in rows], marker="o",
+                       label=f"{output_len} tokens so far" + (", penalties" if penalties else ""))
+    ax_verify.set(xlabel="requests in the step", ylabel="host ms per verify step",
+                  title="verify: host work (CPU)", xscale="log")
+    ax_verify.legend(fontsize=8)
+    ax_verify.grid(alpha=0.3)
+    draft = sorted(report["draft"], key=lambda d: d["batch"])
+    ax_draft.plot([d["batch"] for d in draft], [d["ms_per_pass"] for d in draft], marker="s")
+    ax_draft.set(xlabel="requests in the step", ylabel="host ms per draft pass",
+                 title="draft loop: host work (CPU)", xscale="log")
+    ax_draft.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

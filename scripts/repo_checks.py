@@ -208,7 +208,8 @@ HOOKS_ONLY = ("vllm.v1.worker", "vllm.engine", "vllm.entrypoints", "vllm.v1.spec
               "vllm.v1.sample.rejection_sampler", "vllm.model_executor.layers.attention_layer_base")
 # (step/ applies vLLM's sampling rules itself: its ops and its logits processors' state)
 ALLOWED_VLLM = {"step": ("vllm._custom_ops", "vllm.v1.sample.ops",
-                         "vllm.v1.sample.logits_processor"),
+                         "vllm.v1.sample.logits_processor", "vllm.model_executor.layers.utils",
+                         "vllm.utils.torch_utils"),
                 "draft_model": ("vllm.model_executor", "vllm.config")}
 SIBLINGS = {"step": ("vllm_subspec.vllm_hooks", "vllm_subspec.draft_model"),
             "draft_model": ("vllm_subspec.vllm_hooks", "vllm_subspec.step")}

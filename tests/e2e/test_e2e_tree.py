@@ -134,7 +134,10 @@ def test_gpu_start_sequence_walked_on_cpu_then_lossless(default_engine, prompts,
     # runner's own profile computes) were live in it, with one chunk's fp32 work
     assert walk["verify_rows_bound"] == min(walk["profile_batch_rows"],
                                             walk["max_num_seqs"] * (6 * 32 + 1))
-    assert walk["profile_peak_bytes"] >= walk["verify_logits_bytes"]
+    # and the next step's drafting (its widest level's logits and fp32 log-probabilities) and
+    # the verify's draws (per-request int64 penalty counts) peaked while they were held
+    assert walk["profile_peak_bytes"] >= walk["verify_logits_bytes"] + max(
+        walk["draft_level_bytes"], walk["penalty_counts_bytes"])
     assert_identical(result.token_ids, plain[0].token_ids)
     assert result.stats.tau > 1.5
 
@@ -214,6 +217,11 @@ def _walk_gpu_start(worker) -> dict:
             "verify_logits_bytes": drafter.verify_rows_bound() * runner.model_config.get_vocab_size()
             * runner.model_config.dtype.itemsize,
             "verify_rows_bound": drafter.verify_rows_bound(),
+            # the widest level: max_num_seqs x 6 rows of logits (dtype) and their fp32 copy
+            "draft_level_bytes": runner.scheduler_config.max_num_seqs * 6
+            * runner.model_config.get_vocab_size() * (runner.model_config.dtype.itemsize + 4),
+            "penalty_counts_bytes": runner.scheduler_config.max_num_seqs
+            * (runner.model_config.get_vocab_size() + 1) * 8,
             "draft_forward_rows": forward_rows,
             "sampler_warm_up_rows": max(sampler_rows)}
 

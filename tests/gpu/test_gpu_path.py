@@ -27,7 +27,9 @@ RESCORER = dict(dtype="float32", gpu_memory_utilization=0.2, max_model_len=2048,
                 enforce_eager=True, max_num_seqs=64)
 # uva: the first layers up to 0.1 GiB (SmolLM2 layers are ~8.6 MiB bf16); prefetch: 2 of every 4
 OFFLOAD = {
-    "uva": dict(cpu_offload_gb=0.1),
+    "uva": dict(cpu_offload_gb=0.1, offload_backend="uva"),
+    # the README's form: SubSpec runs it through the prefetch offloader (prefetch_plan.py)
+    "auto": dict(cpu_offload_gb=0.1),
     "prefetch": dict(offload_backend="prefetch", offload_group_size=4, offload_num_in_group=2,
                      offload_prefetch_step=2),
 }

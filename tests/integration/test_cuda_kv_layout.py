@@ -1,7 +1,8 @@
 """Tree attention, KV reads and KV compaction on vLLM's FlashAttention cache, executed on CPU.
 
-The tree-attention Triton kernel (`step/tree_attention_triton.py`) runs under the Triton
-interpreter, against a dense fp32 reference. The CUDA reader (`paged_kv.FlashAttentionLayout`) is run against caches that vLLM's own code
+The tree-attention Triton kernels (`step/tree_attention_triton.py`: one launch, or two when the
+context is split over programs) run under the Triton interpreter, against a dense fp32
+reference. The CUDA reader (`paged_kv.FlashAttentionLayout`) is run against caches that vLLM's own code
 allocates (`allocate_kv_cache`) for every `KVCacheLayout` and that vLLM's own Triton writer fills
 (under the Triton interpreter), in a subprocess (`cuda_kv_layout_probe.py`): TRITON_INTERPRET
 must be set before Triton is imported, and this process imported it with vLLM.
@@ -53,6 +54,11 @@ def test_flash_attention_cache_reader(probes, layout):
     assert r["batched_ulps"] <= ATTENTION_ULPS
     assert r["batched_equals_one_request_at_a_time"]
     assert r["batched_other_rows_untouched"]
+    # the context split: 1, 2 and 6 splits of a 189-token context, each within the reference's
+    # bounds, and the same bits but for fp32 summation order
+    assert r["split_counts"] == [1, 2, 6]
+    assert r["split_ulps"] <= ATTENTION_ULPS
+    assert r["split_max_diff"] <= 2 ** -7  # at most a bf16 step near 1, from summation order
     # the GPU's branch (fp16 products, P rounded to fp16 for P.V): fp16 rounding of P only
     assert r["fp16_tensor_core_branch_max_err"] < FP16_BRANCH_TOL
     assert r["move_exact"], "compaction moved the wrong bytes (overlapping src/dst included)"

@@ -192,3 +192,51 @@ def test_unreadable_kv_is_refused_for_trees_on_every_platform(monkeypatch, tmp_p
     with pytest.raises(SubSpecConfigError, match="kv_cache_dtype 'fp8' is not supported"):
         config(tiny_llama, TREE, kv_cache_dtype="fp8")
     assert config(model, CHAIN).speculative_config.method == "draft_model"
+
+
+def test_cpu_offload_gb_runs_through_the_prefetch_offloader(monkeypatch, tiny_llama):
+    """The README's `--cpu-offload-gb N` (offload backend "auto") becomes vLLM's prefetch
+    offloader, freeing at least N GB net of its slots; an explicit `uva` stays UVA."""
+    from transformers import AutoConfig
+
+    from vllm_subspec.vllm_hooks.prefetch_plan import decoder_layer_bytes, substitute_share
+
+    gb = decoder_layer_bytes(AutoConfig.from_pretrained(tiny_llama), 2) / 2**30  # one layer
+    cfg, _ = cuda_config(monkeypatch, tiny_llama, TREE, cpu_offload_gb=gb)
+    offload = cfg.offload_config
+    assert offload.offload_backend == "prefetch" and offload.uva.cpu_offload_gb == 0
+    prefetch = offload.prefetch
+    hf = cfg.model_config.hf_text_config
+    layer = decoder_layer_bytes(hf, cfg.model_config.dtype.itemsize)
+    offloaded = [i for i in range(hf.num_hidden_layers)
+                 if i % prefetch.offload_group_size
+                 >= prefetch.offload_group_size - prefetch.offload_num_in_group]
+    share = substitute_share(4, 64)  # each offloaded layer's substitute stays on the GPU
+    assert (len(offloaded) * (1 - share) - prefetch.offload_prefetch_step) * layer \
+        >= gb * 2**30 * (1 - share) - 1
+    assert prefetch.offload_prefetch_step == 2
+    # substitute_layers: "all", or a list with every streamed layer, still stream; a list
+    # missing one would be refused at load under prefetch, so it stays on UVA
+    for layers, backend in (("all", "prefetch"), ([0, 1, 2, 3], "prefetch"), ([0], "auto"),
+                            ([], "auto")):
+        chosen, _ = cuda_config(monkeypatch, tiny_llama, {**TREE, "substitute_layers": layers},
+                                cpu_offload_gb=gb)
+        assert chosen.offload_config.offload_backend == backend, layers
+    # any prefetch setting of the user's: vLLM's choice (UVA here), the setting untouched
+    stepped, _ = cuda_config(monkeypatch, tiny_llama, TREE, cpu_offload_gb=gb,
+                             offload_prefetch_step=4)
+    assert stepped.offload_config.offload_backend == "auto"
+    assert stepped.offload_config.prefetch.offload_prefetch_step == 4
+    uva, _ = cuda_config(monkeypatch, tiny_llama, TREE, cpu_offload_gb=gb,
+                         offload_backend="uva")
+    assert uva.offload_config.offload_backend == "uva"
+    assert uva.offload_config.uva.cpu_offload_gb == gb
+    # a parameter filter (UVA's, or the prefetch one vLLM ignores under UVA): as the user set it
+    for params in (dict(cpu_offload_params={"mlp"}), dict(offload_params={"mlp"})):
+        kept, _ = cuda_config(monkeypatch, tiny_llama, TREE, cpu_offload_gb=gb, **params)
+        assert kept.offload_config.offload_backend == "auto"
+        assert kept.offload_config.uva.cpu_offload_gb == gb
+    # more than the layers can give with two slots: vLLM's UVA offloader, as asked
+    everything, _ = cuda_config(monkeypatch, tiny_llama, TREE, cpu_offload_gb=100)
+    assert everything.offload_config.offload_backend == "auto"
+    assert everything.offload_config.uva.cpu_offload_gb == 100

@@ -213,6 +213,36 @@ def probe(layout: KVCacheLayout) -> dict:
             *(t[: r.prefix_len + r.tree_mask.shape[1]] for t in data16[r.req_index]),
             r.prefix_len, r.tree_mask)).abs().max()) for r in reqs)
 
+    # 5b. the context split (flash-decoding): one request's level over a long prefix (every
+    # block of the cache, 180 tokens) with 1, 2 and 6 splits, each against the dense reference
+    # and each other; the hook's own choice (an H100's 132 SMs) is one of them
+    long_table = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)) \
+        .to(torch.int32)[None]
+    long_prefix = 180
+    k = torch.randn(NUM_BLOCKS * BLOCK, KV_HEADS, D, dtype=torch.bfloat16)
+    v = torch.randn(NUM_BLOCKS * BLOCK, KV_HEADS, D, dtype=torch.bfloat16)
+    long_kv = build_caches(layout)[LAYERS[0]]  # its own cache: section 6 reads kv0's data
+    write(long_kv, k, v,
+          logical_to_slots(long_table[0], torch.arange(NUM_BLOCKS * BLOCK), BLOCK))
+    level = big.mask[0, 5:9, :9]  # 4 rows over 9 tree slots
+    q_long = torch.randn(4, HEADS, D, dtype=torch.bfloat16)
+    ref_long = dense_tree_attention(q_long, k[: long_prefix + 9], v[: long_prefix + 9],
+                                    long_prefix, level)
+    reader0 = layout_for(impl, long_kv)
+    outs = {}
+    for sms in (1, 2 * KV_HEADS, 6 * KV_HEADS):
+        rows_layout = tree_attention_triton.tree_rows_layout(
+            [TreeRows(0, 0, long_prefix, level)], q_long.device, HEADS // KV_HEADS, KV_HEADS,
+            long_table.shape[1] * BLOCK, sms=sms)
+        out = torch.zeros_like(q_long)
+        tree_attention_triton.tree_attention_into(out, q_long, reader0.keys, reader0.values,
+                                                  long_table, rows_layout, SCALE, upcast=True)
+        outs[rows_layout.num_splits] = out
+    result["split_counts"] = sorted(outs)
+    result["split_ulps"] = max(bf16_ulps(o, ref_long) for o in outs.values())
+    result["split_max_diff"] = max(float((o.float() - outs[1].float()).abs().max())
+                                   for o in outs.values())
+
     # 6. compaction: accepted path [2, 5, 11] of request 1 at root 40 moves to 41..43; the
     # sources and destinations overlap (42 is both) and cross a block boundary (51 -> block 3)
     before = {name: kv.clone() for name, kv in caches.items()}

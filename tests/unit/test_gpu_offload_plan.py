@@ -2,6 +2,8 @@
 with a memory plan checked before any engine starts (printed by `gpu_check.sh --dry-run`:
 tests/integration/test_gpu_check_dry_run.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,10 +41,21 @@ def test_subspec_offloads_more_than_plain_like_the_projection():
     plain = layers_to_offload(W, LAYER, N, BUDGET, subspec=False)
     spec = layers_to_offload(W, LAYER, N, BUDGET, subspec=True)
     assert spec > plain
-    # the projection's offloaded bytes, rounded up to whole layers
-    setting = GpuSetting(weight_gb=W, memory_gb=8.0, reserved_gb=1.5)
-    assert plain == pytest.approx(setting.offloaded_gb(False) / LAYER, abs=1)
-    assert spec == pytest.approx(setting.offloaded_gb(True) / LAYER, abs=1)
+    # the projection's offloaded bytes, rounded up to whole layers; with the prefetch
+    # offloader (SubSpec's default) its GPU slots are as many more layers offloaded
+    uva = GpuSetting(weight_gb=W, memory_gb=8.0, reserved_gb=1.5, backend="uva")
+    assert plain == pytest.approx(uva.offloaded_gb(False) / LAYER, abs=1)
+    assert spec == pytest.approx(uva.offloaded_gb(True) / LAYER, abs=1)
+    # at 8 GB SubSpec offloads 26 of 28 layers: the prefetch plan's 3 more do not exist
+    prefetch = dataclasses.replace(uva, backend="prefetch")
+    assert not prefetch.uses_prefetch() and prefetch.offloaded_gb(True) == uva.offloaded_gb(True)
+    # at 12 GB they do: its slots and their substitutes cost 2 / (1 - 0.281) layers more
+    roomy = dataclasses.replace(prefetch, memory_gb=12.0)
+    assert roomy.uses_prefetch()
+    assert roomy.offloaded_gb(True) == pytest.approx(
+        dataclasses.replace(roomy, backend="uva").offloaded_gb(True)
+        + roomy.slots * roomy.layer_gb / (1 - SUBSTITUTE_FRACTION))
+    assert roomy.offloaded_gb(False) == uva.offloaded_gb(False) - 4.0  # plain: vLLM's UVA
 
 
 def test_budget_too_small_is_an_error():

@@ -10,6 +10,7 @@ Tree (k = 2, D = 2; test_verify.py's): node tokens / parents
  3:7  4:8
 """
 
+import numpy as np
 import pytest
 import torch
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -24,8 +25,14 @@ from vllm_subspec.step.verify import VerifiedTree, sample_then_match
 
 V, EOS = 16, 7
 TOKENS, PARENTS = [0, 5, 6, 7, 8], [-1, 0, 0, 1, 1]
-DEPTHS = [0, 1, 1, 2, 2]
-PATHS = [[], [5], [6], [5, 7], [5, 8]]
+DEPTHS = np.array([0, 1, 1, 2, 2])
+PATHS = np.array([[V, V], [5, V], [6, V], [5, 7], [5, 8]])  # each node's path, padded with V
+ROWS = torch.zeros(5, dtype=torch.int64)  # every row is request 0's
+
+
+def constrained(logits, meta, paths=lambda: PATHS):
+    """`constrain` over one request's five nodes (no penalties: `test_verify.py` has those)."""
+    return constrain(logits, ROWS, ROWS, DEPTHS, paths, meta, None)
 
 
 def stored() -> StoredTree:
@@ -93,8 +100,7 @@ def test_min_tokens_masks_stop_tokens_by_each_nodes_own_length():
     # one token generated, min_tokens 3: rows at depth 0 and 1 (lengths 1, 2) may not stop,
     # depth-2 rows (length 3) may. EOS leads at node 1 and at node 4.
     logits = logits_with(best=[5, EOS, 1, 1, EOS], runner_up=[1, 8, 1, 1, 2])
-    rows = constrain(logits, torch.zeros(5, dtype=torch.int64), DEPTHS, lambda: PATHS,
-                     metadata([3], minimum=3))
+    rows = constrained(logits, metadata([3], minimum=3))
     assert torch.isneginf(rows[[0, 1, 2], EOS]).all() and torch.isfinite(rows[[3, 4], EOS]).all()
     emitted = walk(logits, [3], minimum=3)
     assert emitted == [5, 8, EOS]  # node 1 draws its runner-up 8; node 4 may stop
@@ -108,8 +114,7 @@ def test_min_tokens_gives_a_grammar_its_only_token_back():
     logits = logits_with(best=[5, 1, 1, 1, 1], runner_up=[1, 2, 2, 2, 2])
     logits[1] = float("-inf")
     logits[1, EOS] = 0.5  # node 1's grammar mask leaves only EOS
-    rows = constrain(logits, torch.zeros(5, dtype=torch.int64), DEPTHS, lambda: PATHS,
-                     metadata([3], minimum=4, structured=True))
+    rows = constrained(logits, metadata([3], minimum=4, structured=True))
     assert rows[1, EOS] == 0.5 and torch.isneginf(rows[[0, 2], EOS]).all()
     assert plain_draw(logits[1], [3, 5], minimum=4, structured=True) == EOS
 
@@ -124,8 +129,7 @@ def test_bad_words_complete_along_each_nodes_path():
     # (node 2's row); 6 is banned everywhere.
     bad = [[5, 8], [6]]
     logits = logits_with(best=[5, 8, 8, 1, 1], runner_up=[6, 7, 2, 1, 1])
-    rows = constrain(logits, torch.zeros(5, dtype=torch.int64), DEPTHS, lambda: PATHS,
-                     metadata([], bad_words=bad))
+    rows = constrained(logits, metadata([], bad_words=bad))
     assert torch.isneginf(rows[1, 8]) and torch.isfinite(rows[2, 8])
     assert torch.isneginf(rows[:, 6]).all()
     emitted = walk(logits, [], bad_words=bad)
@@ -143,8 +147,7 @@ def test_a_bad_word_started_in_the_committed_output_is_completed_at_the_root():
 def test_nothing_to_apply_returns_the_logits_themselves():
     logits = torch.randn(5, V)
     paths = pytest.fail  # never asked for: no rule reads paths
-    assert constrain(logits, torch.zeros(5, dtype=torch.int64), DEPTHS, paths,
-                     metadata([])) is logits
+    assert constrained(logits, metadata([]), paths) is logits
 
 
 def test_requests_a_tree_is_not_exact_for_draft_chains():

@@ -140,8 +140,8 @@ def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec:
         starts.append(q)
         q += len(d) + 1
     positions = torch.tensor([r + j for r, d in zip(roots, drafts) for j in range(len(d) + 1)])
-    for w in session.prepare_verify(requests):
-        positions[w.start: w.start + len(w.positions)] = w.positions
+    writes = session.prepare_verify(requests)
+    positions[torch.from_numpy(writes.rows)] = torch.from_numpy(writes.positions)
     with session.verify_forward():
         plan = active_tree_plan()
     # the target's logits at every node: its next token after the node's own token

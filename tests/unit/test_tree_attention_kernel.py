@@ -540,3 +540,44 @@ def test_the_triton_layout_takes_device_roots_as_given_integers():
     assert a.requests[:, 3].tolist() == [17, 40]
     assert torch.equal(a.requests, b.requests) and torch.equal(a.tiles, b.tiles)
     assert torch.equal(a.masks, b.masks) and a.masks.dtype == torch.int8
+
+
+@pytest.mark.parametrize("context, rows, expect_splits", [
+    (2048, 6, 33), (8192, 6, 33), (32768, 6, 33),  # a draft level of one request
+    (2048, 289, 1), (32768, 289, 1),  # a whole 6x48 tree: its 33 tiles fill the SMs alone
+    (512, 6, 16),  # a short context: no split under one BLOCK_N tile
+])
+def test_one_request_launches_at_least_an_h100s_programs_from_2k_context(context, rows,
+                                                                          expect_splits):
+    """Qwen2.5-7B's attention (28 query heads, 4 KV heads: 7 per KV head), one request, an
+    H100's 132 SMs: the CUDA kernel's grid (tiles x KV heads x context splits) reaches the SM
+    count for contexts from 2k on, whatever the rows."""
+    pytest.importorskip("triton")
+    from vllm_subspec.step import tree_attention_triton as tat
+
+    block_q = max(1, tat.BLOCK_M // 7)
+    tiles = -(-rows // block_q)
+    splits = tat.split_count(tiles, 4, context, 132)
+    assert splits == expect_splits
+    if context >= 2048:
+        assert tiles * 4 * splits >= 132
+    assert splits <= tat.MAX_SPLITS and (splits - 1) * tat.BLOCK_N < max(context, tat.BLOCK_N)
+
+
+def test_the_split_follows_the_context_the_requests_hold_not_the_block_table():
+    """vLLM's block table is as wide as max_model_len; where the layout knows the contexts (a
+    verify's prefix lengths are host integers) it splits what they hold, so a short context in
+    a wide table launches no empty splits. Draft levels (roots on the device) use the table."""
+    pytest.importorskip("triton")
+    from vllm_subspec.step.tree_attention_triton import BLOCK_N, split_count, tree_rows_layout
+
+    cpu, mask = torch.device("cpu"), torch.ones(1, 1, dtype=torch.bool)
+    wide = 32768  # the block table's capacity (max_model_len)
+    short = tree_rows_layout([TreeRows(0, 0, 100, mask)], cpu, 7, 4, wide, sms=132)
+    long = tree_rows_layout([TreeRows(0, 0, 8000, mask)], cpu, 7, 4, wide, sms=132)
+    on_device = tree_rows_layout([TreeRows(0, 0, torch.tensor(100), mask)], cpu, 7, 4, wide,
+                                 sms=132)
+    assert short.num_splits == -(-101 // BLOCK_N) == 4
+    assert long.num_splits == on_device.num_splits == 33
+    # no program at all: one split, no division by zero
+    assert split_count(0, 4, wide, 132) == 1

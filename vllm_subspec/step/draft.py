@@ -1,14 +1,9 @@
-"""Drafting one step: a chain, or a dynamic tree grown one depth per pass.
-
-Both loops run over `DraftPasses`, the draft's forwards through the target's own layers (built
+"""Drafting one step: a chain (`draft_chain`) or a dynamic tree grown one depth per pass
+(`draft_tree`), over `DraftPasses`, the draft's forwards through the target's own layers (built
 against vLLM's metadata by vllm_hooks/proposer.py; a stub in tests/unit/test_step_session.py),
-so nothing here names vLLM. The first pass of every step is over the bonus token alone, at
-position p + 1 (p: the last verified position), so draft KV lands only past p.
+so nothing here names vLLM. Either is verified by sample-then-match (step/verify.py).
 
-Tree (width k): the root pass drafts depth 1 from the bonus token; each later pass runs the k
-frontier nodes of every request still drafting with an ancestor-only mask (`tree_attention`)
-and keeps the global top-k by cumulative sharpened log-probability (`tree.TreeBatch.grow`).
-Node i of a request sits in KV slot L + i at position L + depth(i) (L: the root's position).
+Design: docs/shape_tuner.md, "Dynamic trees" and "Frontier reads".
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from vllm_subspec.step.transfer import to_device
 from vllm_subspec.step.tree import TreeBatch, TreeShape, sharpened_log_probs
 from vllm_subspec.step.tree_attention import TreePlan, TreeRows, tree_plan
 
@@ -141,7 +137,6 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
                clock: Callable[[], float] = time.perf_counter, keep_hidden: int = 0
                ) -> TreeDraft:
     """Grow this step's trees to `shape.depth` at most, drafting through `lm_head`.
-
     drafting_next: which requests draft on (`FrontierReads`: every depth on CPU, every 4 on
     a device, without a sync); None: all go on. keep_hidden: keep the first n requests'
     hidden states after each node a pass ran from (`TreeDraft.node_hidden`). A request stops
@@ -198,10 +193,7 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
 def device_index(values: list[int], device: torch.device) -> torch.Tensor:
     """`values` as an int64 tensor on `device`, copied from pinned host memory without waiting
     on CUDA (a plain `torch.tensor(values, device=...)` waits for the stream: a host sync)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def _level_logits(passes: DraftPasses, tree: TreeBatch, d: int, roots: list,

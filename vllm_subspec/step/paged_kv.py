@@ -13,7 +13,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from vllm_subspec.step.transfer import to_device
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -130,11 +133,11 @@ def cpu_layout(kv_cache: torch.Tensor, isa: str | None = None):
 class FlashAttentionLayout:
     """vLLM FlashAttention, 0.32.0 and 0.33.0: the per-layer cache is the logical view
     [num_blocks, kv_heads, block_size, 2 * head_dim] that `allocate_kv_cache` builds over one
-    backing buffer (`v1/worker/utils.py` :564, `v1/kv_cache_interface.py` :377
-    `create_kv_cache_views`), with a physical order given by the resolved `KVCacheLayout`
-    (`v1/kv_cache_layout.py`; FlashAttention declares no preference, so any of the six). Keys and
-    values are split exactly as `FlashAttentionImpl.forward` does (`flash_attn.py` 0.32.0 :1252,
-    0.33.0 :1257): `kv_cache.transpose(1, 2).split(head_size, -1)` -> two strided
+    backing buffer (`vllm.v1.worker.utils.allocate_kv_cache`,
+    `vllm.v1.kv_cache_interface.create_kv_cache_views`), with a physical order given by the
+    resolved `KVCacheLayout` (`vllm.v1.kv_cache_layout`; FlashAttention declares no preference,
+    so any of the six). Keys and values are split exactly as `FlashAttentionImpl.forward` does:
+    `kv_cache.transpose(1, 2).split(head_size, -1)` -> two strided
     [num_blocks, block_size, kv_heads, head_dim] views. Reads and writes go through those views,
     so every physical layout is handled by its strides."""
 
@@ -214,9 +217,9 @@ def move_kv(kv_caches: list[tuple[object, torch.Tensor, str | None]],
     whose views alias the same bytes (same data pointer, shape and strides) are moved once.
     block_table_row holds blocks of `table_block_size` tokens (the runner's table: KV-manager
     blocks); a cache may be viewed in smaller kernel blocks (vLLM splits a manager block into
-    `ratio` kernel blocks, kv_cache_interface.py 0.32.0 :396-414), and a flat slot number is the
-    same in both views, so slots are computed at the table's block size and each layout splits
-    them at its own."""
+    `ratio` kernel blocks, `vllm.v1.kv_cache_interface.create_kv_cache_views`), and a flat slot
+    number is the same in both views, so slots are computed at the table's block size and each
+    layout splits them at its own."""
     if src_logical.numel() == 0:
         return
     src = logical_to_slots(block_table_row, src_logical, table_block_size)
@@ -251,10 +254,26 @@ class PagedKv:
 
 
 def move_accepted_kv(moves: list[KvMove], kv: PagedKv) -> None:
-    """Each accepted path's KV from slots L + a_j to L + j, j = 1..m, in every layer."""
-    for move in moves:
-        row = kv.block_table[move.req_index]
-        src = move.root + torch.tensor(move.path, dtype=torch.int64, device=row.device)
-        dst = move.root + torch.arange(1, len(move.path) + 1, dtype=torch.int64,
-                                       device=row.device)
-        move_kv(kv.caches, row, kv.block_size, src, dst)
+    """Each accepted path's KV from slots L + a_j to L + j, j = 1..m, for every request at once:
+    one host-to-device copy of the positions, then one gather and one write per layer (requests'
+    slots never overlap, and every source is read before any write)."""
+    if not moves:
+        return
+    lengths = [len(m.path) for m in moves]
+    request = np.repeat([m.req_index for m in moves], lengths)
+    root = np.repeat([m.root for m in moves], lengths)
+    src = root + np.concatenate([m.path for m in moves])
+    dst = root + np.concatenate([np.arange(1, n + 1) for n in lengths])
+    table = kv.block_table
+    host = torch.from_numpy(np.stack([request, src, dst]).astype(np.int64))
+    idx = to_device(host, table.device)
+    bs = kv.block_size
+    src_slots = table[idx[0], idx[1] // bs].to(torch.int64) * bs + idx[1] % bs
+    dst_slots = table[idx[0], idx[2] // bs].to(torch.int64) * bs + idx[2] % bs
+    seen = set()
+    for impl, cache, isa in kv.caches:
+        key = (cache.data_ptr(), tuple(cache.shape), cache.stride())
+        if key in seen:
+            continue
+        seen.add(key)
+        layout_for(impl, cache, isa).move(src_slots, dst_slots)

@@ -1,25 +1,16 @@
-"""One owner for SubSpec's speculative steps, read in run order.
+"""One owner for SubSpec's speculative steps; its methods, in the order vLLM's model runner
+calls them (through vllm_hooks/):
 
-A step of a tree engine, as vLLM's model runner drives it (vllm_hooks/ makes the calls):
+1. `propose`: draft this step's trees (`draft.draft_tree`) and keep them pending until they
+   are verified (a chain: `draft.draft_chain`, verified in vLLM's layout, nothing kept).
+2. `prepare_verify` (next step): consume them; node i keeps slot L + i but moves to position
+   L + depth(i), and the ancestor-only rows form the verify's `TreePlan`.
+3. `verify_forward`: that plan is active for exactly the target's forward.
+4. `sample_and_walk`: sample, then match (`verify.sample_then_match`), then move each accepted
+   path's KV from slots L + a_j to L + j.
 
-1. `propose`        end of step N: draft this step's trees (`draft.draft_tree`) over the
-                    draft's forwards; keep them as pending until they are verified; hand
-                    vLLM their tokens to schedule.
-2. `prepare_verify` step N+1, after vLLM laid the scheduled drafts out as a chain: each
-                    pending tree is consumed (verified at most once); node i keeps slot L + i
-                    but moves to position L + depth(i); the ancestor-only rows form the
-                    verify's `TreePlan` (a chain's mask is the causal one: no rows).
-3. `verify_forward` around the target's forward: the plan is active for exactly that pass.
-4. `sample_and_walk` in place of vLLM's rejection sampler: sample, then match
-                    (`verify.sample_then_match`): every emitted token is the target's draw.
-                    Then each accepted path's KV moves from slots L + a_j to L + j, so the
-                    next step's prefix is contiguous (every step, drafted next or not).
-
-The session owns what lives across those calls: the pending and verifying trees, the verify's
-tree plan until its forward, the shape tuner of an auto shape (fed only from here: draft,
-verify and rest-of-step times, each verified tree's outcome, the lm_heads' paired ranks), the
-step clock, and the statistics (`StepStats`). A chain (tree_width 1) goes through the same
-calls: a chain is a tree of width 1, verified by sample-then-match too.
+The state across those calls (pending and verifying trees, the plan, an auto shape's tuner, the
+step clock, `StepStats`) lives here only. docs/architecture.md, "One tree step, in run order".
 """
 
 from __future__ import annotations
@@ -29,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_subspec.config import SubSpecOptions
@@ -77,11 +69,11 @@ class VerifyRequest:
 
 
 @dataclass
-class PositionWrite:
-    """Positions of the verify forward's query rows [start, start + len(positions))."""
+class PositionWrites:
+    """The verify forward's position rewrites, for every request at once (one copy)."""
 
-    start: int
-    positions: torch.Tensor  # [n] int64
+    rows: np.ndarray  # [W] int64 query rows of the forward
+    positions: np.ndarray  # [W] int64 their positions, L + depth
 
 
 class StepSession:
@@ -207,12 +199,12 @@ class StepSession:
         self._last_draft_end = end
 
     # ---- 2. verify inputs ----------------------------------------------------------------
-    def prepare_verify(self, requests: list[VerifyRequest]) -> list[PositionWrite]:
+    def prepare_verify(self, requests: list[VerifyRequest]) -> PositionWrites:
         """Consume the pending trees of the requests vLLM scheduled drafts for; returns the
         position rewrites of the verify forward (vLLM's chain positions L + i -> L + depth)."""
         drafted, self.pending = self.pending, {}  # a tree is verified at most once
         self.verifying, self._verify_plan = {}, None
-        rows, writes = [], []
+        rows, starts, counts, widths, roots = [], [], [], [], []
         for r in requests:
             stored = drafted.get(r.req_id)
             if stored is None:  # placeholders of a skipped drafter: a chain, vLLM's layout
@@ -220,14 +212,24 @@ class StepSession:
                                                         False)
                 continue
             n = len(r.scheduled)
-            depths = TreeShape(stored.width, n // stored.width + 1).depths()  # this step's k
-            writes.append(PositionWrite(r.query_start + 1, r.root + depths[1: n + 1]))
+            starts.append(r.query_start + 1)
+            counts.append(n)
+            widths.append(stored.width)
+            roots.append(r.root)
             if stored.width > 1:  # a chain's mask is causal: the backend's rows stand
                 rows.append(TreeRows(r.index, r.query_start, r.root,
                                      stored.mask[: n + 1, : n + 1]))
             self.verifying[r.req_id] = VerifiedTree(stored, r.root, r.index, True)
         self._verify_plan = TreePlan(rows) if rows else None
-        return writes
+        # node i (1..n) of a level-ordered tree of width k sits at depth (i - 1) // k + 1
+        counts_np = np.asarray(counts, dtype=np.int64)
+        owner = np.repeat(np.arange(len(counts)), counts_np)
+        node = np.arange(int(counts_np.sum())) - np.repeat(np.cumsum(counts_np) - counts_np,
+                                                           counts_np) + 1
+        widths_np = np.asarray(widths, dtype=np.int64)[owner]
+        return PositionWrites(np.asarray(starts, dtype=np.int64)[owner] + node - 1,
+                              np.asarray(roots, dtype=np.int64)[owner]
+                              + (node - 1) // np.maximum(widths_np, 1) + 1)
 
     # ---- 3. the verify forward -----------------------------------------------------------
     @contextlib.contextmanager

@@ -1,23 +1,12 @@
 """Ancestor-only attention for tree tokens, on top of vLLM's paged KV cache.
 
-vLLM 0.32 has no tree attention (removed in PR #42121), so SubSpec adds it around the backend's
-own `forward` (wrapped in vllm_hooks/patches.py): the backend writes the KV of the step and
-computes ordinary causal attention for every row; then, for the rows of tree requests listed in
-the active `TreePlan`, the output is recomputed with the right mask: the whole prefix [0, L)
-plus the node's ancestors and itself. Rows of other requests (prefills, plain decodes) are left
-exactly as the backend computed them.
-
-On the CPU backend the tree rows are recomputed by vLLM's own attention kernel, run as one decode
-row per tree node over a scratch paged cache that holds exactly that node's context in order
-(the prefix, then its ancestors, then itself), so every row gets the bits plain decoding would
-give that token (`_cpu_kernel_rows`). The cache layout is backend specific
-(`paged_kv.layout_for`; the CPU backend's, vec or amx, is checked against its own writer before
-first use). With FlashAttention (CUDA) every request's tree rows are recomputed by one Triton
-kernel that reads the paged cache in place (`tree_attention_triton`). Both are one call per
-layer for all requests, laid out once per forward (`TreePlan.layouts`; on CPU `cpu_scratch`
-lays out all requests at once, in as many torch operations for one request as for 100). A CPU
-cache whose dtype differs from the query's falls back to torch in fp32, per request
-(`_torch_rows`).
+The attention backends' `forward` is wrapped (vllm_hooks/patches.py): the backend writes the
+step's KV and computes causal attention for every row, then `apply_tree_attention` recomputes
+the rows of the active `TreePlan` (`tree_plan`) over the prefix [0, L), the node's ancestors
+and itself, in one call per layer for every tree request: vLLM's own CPU kernel over a scratch
+cache (`_cpu_kernel_rows`), or on CUDA one Triton kernel (`tree_attention_triton`); a CPU cache
+of another dtype than the query's falls back to torch, per request (`_torch_rows`). Rows of
+other requests stay as the backend computed them. Design: docs/tree_attention.md.
 """
 
 from __future__ import annotations
@@ -110,9 +99,9 @@ def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, 
         out = torch.empty(rows.tree_mask.shape[0], *query.shape[1:], dtype=query.dtype,
                           device=query.device)
         _triton_rows(out, query[rows.q_start: rows.q_start + out.shape[0]], layout,
-                     block_table[None], tree_rows_layout([one], query.device,
-                                                         query.shape[1] // layout.kv_heads),
-                     scale)
+                     block_table[None], tree_rows_layout(
+                         [one], query.device, query.shape[1] // layout.kv_heads,
+                         layout.kv_heads, block_table.shape[-1] * layout.block_size), scale)
         return out
     return _torch_rows(query, layout, block_table, rows, scale)
 
@@ -165,20 +154,11 @@ def cpu_scratch(layout: CpuVecLayout | CpuAmxLayout, tables: torch.Tensor,
     one's block-table row): every row becomes one decode request over a scratch paged cache
     with 32-token blocks, holding exactly the context plain decoding has at that node, at the
     same positions: the prefix [0, L), then the tree slots the row sees, in slot order (root,
-    ancestors, itself).
-
-    A request's prefix blocks (the whole 32-token blocks of [0, L)) are filled once and shared
-    by its rows: those in whole cache blocks split block-wise (`whole`: every request's, first
-    in the scratch), the others token-wise (next; every one where cache blocks are not whole
-    scratch blocks: vec16 with 16-token blocks). Each row has its own tail blocks (last in the
-    scratch): the rest of the prefix (under 32 tokens), then its tree slots.
-
-    Laid out for all requests at once, in a number of torch operations that does not grow
-    with theirs (a loop over requests ran ~20 small operations each, every forward): the
-    per-request sizes become per-row and per-token values through `repeat_interleave`,
-    exclusive cumsums and `searchsorted`, and every row's tail tokens are the nonzeros of the
-    masks laid out one after another, each row's led by its prefix tokens past the last
-    whole block."""
+    ancestors, itself). A request's whole 32-token prefix blocks are filled once and shared by
+    its rows (`whole`: split block-wise from whole cache blocks; the others token-wise); each
+    row has its own tail blocks (the rest of the prefix, under 32 tokens, then its tree slots).
+    Laid out for all requests at once, in as many torch operations for one as for 100
+    (docs/tree_attention.md)."""
     from vllm import _custom_ops as ops
 
     bs, cache_bs, kv = SCRATCH_BLOCK, layout.block_size, layout.kv_cache
@@ -258,19 +238,10 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
                      scratch_plan: CpuScratch, scale: float) -> torch.Tensor:
     """The tree rows of a forward through one call of vLLM's CPU attention kernel
     (`cpu_attention_with_kv_cache`) over the scratch cache `scratch_plan` lays out
-    (`cpu_scratch`); returns [rows, heads, d], the requests' rows in order.
-
-    The kernel's arithmetic (fp32 FMA dot products, its polynomial exp, lane-wise sums,
-    sequential P·V over 32-token tiles, one rounding at the end) is thus reproduced by
-    construction, not imitated; each decode request is computed on its own (KV splitting off,
-    as in a decode that is not split across threads, always the case with one OMP thread), so
-    batching every request's rows into one call changes no bit
-    (tests/unit/test_tree_attention_kernel.py). The scratch has the cache's layout and the
-    kernel its ISA (vec/vec16, or amx, whose decode rows are also the same bits in any batch
-    and any block size). Masked slots are simply not in a row's context. Small blocks keep the
-    per-row tails (at most 31 prefix tokens and the row's path) small: the scratch is written,
-    zeroed and read for every layer of every tree pass.
-    """
+    (`cpu_scratch`); returns [rows, heads, d], the requests' rows in order. Each row is the
+    kernel's own decode of that token, bit for bit, alone or batched (KV splitting off; the
+    scratch takes the cache's layout, the kernel its ISA): docs/tree_attention.md,
+    tests/unit/test_tree_attention_kernel.py."""
     from vllm import _custom_ops as ops
 
     plan, kv = scratch_plan, layout.kv_cache
@@ -300,8 +271,8 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
 
 def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
                 scale: float) -> torch.Tensor:
-    """The tree rows recomputed with torch in fp32 (FlashAttention, or a CPU cache whose dtype
-    differs from the query's). Scores against the prefix and against the tree slots are two
+    """The tree rows recomputed with torch in fp32 (a CPU cache whose dtype differs from the
+    query's). Scores against the prefix and against the tree slots are two
     batched matmuls over all rows; masked tree slots get -inf, so they add exact zeros. Against
     vLLM's CPU kernel, ~0.05 % of bf16 outputs differ, mostly by 1 ulp (docs/tree_attention.md)."""
     q_len, m = rows.tree_mask.shape
@@ -348,8 +319,9 @@ def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) ->
         from vllm_subspec.step.tree_attention_triton import tree_rows_layout
 
         rows = plan.layout(("triton", heads, layout.kv_heads), block_table,
-                           lambda: tree_rows_layout(plan.rows, query.device,
-                                                    heads // layout.kv_heads))
+                           lambda: tree_rows_layout(
+                               plan.rows, query.device, heads // layout.kv_heads,
+                               layout.kv_heads, block_table.shape[-1] * layout.block_size))
         _triton_rows(out, query, layout, block_table, rows, impl.scale)
         return
     for rows in plan.rows:

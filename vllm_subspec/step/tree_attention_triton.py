@@ -1,21 +1,12 @@
-"""Tree attention for every tree row of a forward in one Triton kernel (the CUDA path).
+"""Tree attention for every tree row of a forward in one Triton launch per layer (the CUDA path).
 
-FlashAttention has no per-row mask, so the rows of tree requests are recomputed after the backend
-(`tree_attention.apply_tree_attention`). Here that is one launch per layer for all requests:
-each program takes a tile of one request's tree rows (times the query heads of one KV head, as
-vLLM's `kernel_unified_attention_2d` packs GQA) and streams that request's context straight
-from the paged cache, with an online softmax in fp32: the prefix [0, L) is visible to every row,
-tree slot L + j only to the rows whose ancestor mask has j. Nothing is gathered or copied to fp32
-first; each K/V tile is read once per tile of rows, not once per row. The result is written in
-place into the backend's output rows.
-
-Products run on tensor cores in the cache's dtype (fp32 accumulation), as FlashAttention's do;
-`upcast=True` computes them in fp32 instead, which the Triton interpreter needs for bf16 (it
-does bf16 arithmetic on raw bits). Everything the kernel reads is laid out once per forward
-(`TritonTreeRows`); no host value is read inside it, so it can run in a captured graph.
-
-Refused with trees at start-up (engine_rules.py): FP8 caches and sliding windows. Not applied
-(as in the torch fallback): logit soft-capping, ALiBi and attention sinks.
+Each program takes a tile of one request's tree rows (times the query heads of one KV head, as
+vLLM's `kernel_unified_attention_2d` packs GQA) and one split of that request's context, read
+straight from the paged cache with an online softmax in fp32; where a forward has fewer tiles
+than the GPU has SMs (a draft level of one request), the context is split (flash-decoding) and
+a second launch merges the splits. Layout and precision: docs/tree_attention.md, "The
+attention: the tree rows are recomputed, on CPU and CUDA"; what is not applied:
+docs/limitations.md.
 """
 
 from __future__ import annotations
@@ -26,29 +17,33 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_subspec.step.transfer import to_device
+
 # query rows per program (tree rows x the query heads sharing a KV head); context per tile
 BLOCK_M = 64
 BLOCK_N = 32
+MAX_SPLITS = 64  # context splits per tile at most (each a BLOCK_N multiple)
 
 
-# Strides are int64, as in vLLM's kernel_unified_attention_2d (triton_unified_attention.py
-# 0.32.0 :71-72, :202-233): a head-major layout (LHBNC) has a KV-head stride of
-# blocks x page x 2d, which times a head index passes 2**31 on a large cache. The mask strides
-# change with every level and batch: not specialized on, so no forward compiles a new variant.
-@triton.jit(do_not_specialize=["stride_mr", "stride_mq"])
+# Strides are int64, as in vLLM's `kernel_unified_attention_2d`: a head-major layout (LHBNC) has a
+# KV-head stride of blocks x page x 2d, which times a head index passes 2**31 on a large cache.
+# The mask strides and the split count change with every level and batch: not specialized on,
+# so no forward compiles a new variant.
+@triton.jit(do_not_specialize=["stride_mr", "stride_mq", "num_splits"])
 def _tree_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr, block_table_ptr, masks_ptr,
-    tiles_ptr, requests_ptr, scale,
+    tiles_ptr, requests_ptr, partial_ptr, stats_ptr, scale, num_splits,
     stride_qt: tl.int64, stride_qh: tl.int64, stride_kb: tl.int64, stride_ks: tl.int64,
     stride_kh: tl.int64, stride_kd: tl.int64, stride_vb: tl.int64, stride_vs: tl.int64,
     stride_vh: tl.int64, stride_vd: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
     stride_bt: tl.int64, stride_mr: tl.int64, stride_mq: tl.int64,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     req = tl.load(tiles_ptr + 2 * tile)  # the tile's request, and its first tree row
     first = tl.load(tiles_ptr + 2 * tile + 1)
     table_row = tl.load(requests_ptr + 8 * req)  # its row in the batch's block table
@@ -71,9 +66,14 @@ def _tree_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
-    for start in range(0, prefix + tree_len, BLOCK_N):
+    # this program's split of the context: whole BLOCK_N tiles, the last split may be short
+    total = prefix + tree_len
+    per_split = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, total)
+    for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)  # logical positions of this tile
-        t_ok = t < prefix + tree_len
+        t_ok = t < hi
         block = tl.load(block_table_ptr + table_row * stride_bt + t // PAGE, mask=t_ok, other=0)
         off = t % PAGE
         k = tl.load(key_cache_ptr + block[None, :].to(tl.int64) * stride_kb
@@ -102,7 +102,56 @@ def _tree_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:  # unnormalized, with its max and sum: `_merge_splits_kernel` combines them
+        at = (split * tl.num_programs(0) * tl.num_programs(1) + tile * tl.num_programs(1)
+              + kv_head).to(tl.int64) * BLOCK_M + offs_m
+        tl.store(partial_ptr + at[:, None] * HEAD_DIM_P + offs_d[None, :], acc)
+        tl.store(stats_ptr + 2 * at, m_i)
+        tl.store(stats_ptr + 2 * at + 1, l_i)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(output_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :], out.to(output_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    output_ptr, tiles_ptr, requests_ptr, partial_ptr, stats_ptr, num_splits,
+    stride_ot: tl.int64, stride_oh: tl.int64,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One program per (tile, KV head): its rows' splits merged by their maxima and sums."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tiles_ptr + 2 * tile)
+    first = tl.load(tiles_ptr + 2 * tile + 1)
+    q_start = tl.load(requests_ptr + 8 * req + 1)
+    q_len = tl.load(requests_ptr + 8 * req + 2)
+    offs_m = tl.arange(0, BLOCK_M)
+    row = first + offs_m // GROUPS
+    head = kv_head * GROUPS + offs_m % GROUPS
+    row_ok = (offs_m // GROUPS < BLOCK_Q) & (row < q_len)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    for split in range(0, num_splits):
+        at = (split * tl.num_programs(0) * tl.num_programs(1) + tile * tl.num_programs(1)
+              + kv_head).to(tl.int64) * BLOCK_M + offs_m
+        m_s = tl.load(stats_ptr + 2 * at)
+        l_s = tl.load(stats_ptr + 2 * at + 1)
+        a_s = tl.load(partial_ptr + at[:, None] * HEAD_DIM_P + offs_d[None, :])
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen in either yet
+        alpha = tl.exp(m - m_safe)
+        beta = tl.exp(m_s - m_safe)
+        l_sum = l_sum * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m = m_new
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(output_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh
              + offs_d[None, :], out.to(output_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
@@ -110,7 +159,7 @@ def _tree_attention_kernel(
 
 @dataclass
 class TritonTreeRows:
-    """What the kernel reads of a forward's tree rows, laid out once per forward (every layer
+    """What the kernels read of a forward's tree rows, laid out once per forward (every layer
     has the same requests, rows and masks)."""
 
     tiles: torch.Tensor  # [tiles, 2] int32: (request, first tree row) per program
@@ -119,23 +168,42 @@ class TritonTreeRows:
     requests: torch.Tensor
     masks: torch.Tensor  # [R, rows, m] int8: row r of request i sees tree slot L + j
     block_q: int
+    num_splits: int = 1  # context splits per tile (`split_count`)
+    # the splits' partial results, made at the first layer and reused by the others
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def tree_rows_layout(requests: list, device: torch.device, groups: int) -> TritonTreeRows:
-    """The kernel's inputs for `requests` (`tree_attention.TreeRows`): their integers in one
+def split_count(tiles: int, kv_heads: int, capacity: int, sm_count: int) -> int:
+    """Context splits per tile: enough for tiles x KV heads x splits >= the GPU's SMs (one split
+    where the tiles alone fill them), within a request's capacity in BLOCK_N tiles and
+    MAX_SPLITS. Each request splits its own context evenly in the kernel."""
+    programs = tiles * kv_heads
+    if programs == 0 or programs >= sm_count:
+        return 1
+    return max(1, min(-(-sm_count // programs), -(-capacity // BLOCK_N), MAX_SPLITS))
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (a CPU stands in for an H100's 132 under the interpreter)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tree_rows_layout(requests: list, device: torch.device, groups: int, kv_heads: int = 1,
+                     capacity: int = 0, sms: int | None = None) -> TritonTreeRows:
+    """The kernels' inputs for `requests` (`tree_attention.TreeRows`): their integers in one
     host-to-device copy (pinned and asynchronous on CUDA: no host sync), roots given as device
-    tensors (a draft pass's) stacked on the device, and their masks padded into one tensor on
-    the device."""
+    tensors stacked on the device, masks padded into one tensor, and the split count for
+    `kv_heads` and a block table of `capacity` tokens per request (`split_count`)."""
     block_q = max(1, BLOCK_M // groups)  # tree rows per program
     rows = [r.tree_mask.shape[0] for r in requests]
     on_device = [isinstance(r.prefix_len, torch.Tensor) for r in requests]
     ints = [[r.req_index, r.q_start, n, 0 if dev else r.prefix_len, r.tree_mask.shape[1], 0,
              0, 0] for r, n, dev in zip(requests, rows, on_device)]
     tiles = [v for i, n in enumerate(rows) for first in range(0, n, block_q) for v in (i, first)]
-    host = torch.tensor([v for r in ints for v in r] + tiles, dtype=torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    packed = host.to(device, non_blocking=True)
+    packed = to_device(torch.tensor([v for r in ints for v in r] + tiles, dtype=torch.int32),
+                       device)
     split = 8 * len(ints)
     per_request = packed[:split].view(-1, 8)
     if any(on_device):
@@ -151,7 +219,11 @@ def tree_rows_layout(requests: list, device: torch.device, groups: int) -> Trito
                              dtype=torch.int8, device=device)
         for out, m in zip(padded, masks):
             out[: m.shape[0], : m.shape[1]] = m
-    return TritonTreeRows(packed[split:].view(-1, 2), per_request, padded, block_q)
+    if requests and not any(on_device):  # contexts known here: split what they hold
+        capacity = min(capacity, max(r.prefix_len + r.tree_mask.shape[1] for r in requests))
+    splits = split_count(len(tiles) // 2, kv_heads, capacity, sm_count(device) if sms is None
+                         else sms)
+    return TritonTreeRows(packed[split:].view(-1, 2), per_request, padded, block_q, splits)
 
 
 def tree_attention_into(output: torch.Tensor, query: torch.Tensor, keys: torch.Tensor,
@@ -161,18 +233,35 @@ def tree_attention_into(output: torch.Tensor, query: torch.Tensor, keys: torch.T
 
     query [T, heads, d]; keys/values [blocks, page, kv_heads, d], strided views of vLLM's
     cache in any of its physical orders (`paged_kv.FlashAttentionLayout`); block_table
-    [batch, max_blocks] int32."""
+    [batch, max_blocks] int32. One launch, two with context splits."""
     heads, d = query.shape[1], query.shape[2]
     kv_heads, page = keys.shape[2], keys.shape[1]
     groups = heads // kv_heads
     for t in (query, output, block_table, rows.masks):
         assert t.stride(-1) == 1, "the kernel assumes a contiguous last dimension"
-    _tree_attention_kernel[(rows.tiles.shape[0], kv_heads)](
-        query, keys, values, output, block_table, rows.masks, rows.tiles, rows.requests, scale,
+    tiles, splits = rows.tiles.shape[0], rows.num_splits
+    block_m = max(BLOCK_M, triton.next_power_of_2(groups))
+    head_dim_p = triton.next_power_of_2(d)
+    workspace_rows = splits * tiles * kv_heads * block_m
+    if splits > 1 and (rows.workspace is None or rows.workspace[0].shape[0] < workspace_rows
+                       or rows.workspace[0].shape[1] < head_dim_p):
+        # fp32: each split's sums and its (max, sum); made at the first layer, reused by the
+        # others (made anew should a layer need more)
+        rows.workspace = (
+            torch.empty(workspace_rows, head_dim_p, dtype=torch.float32, device=query.device),
+            torch.empty(workspace_rows, 2, dtype=torch.float32, device=query.device))
+    partial, stats = rows.workspace if splits > 1 else (output, output)  # (unused unsplit)
+    # 4 warps spill registers at head_dim 128 on sm_90 (ptxas -v, independent audit)
+    warps = 8 if d >= 128 else 4
+    _tree_attention_kernel[(tiles, kv_heads, splits)](
+        query, keys, values, output, block_table, rows.masks, rows.tiles, rows.requests,
+        partial, stats, scale, splits,
         query.stride(0), query.stride(1), *keys.stride(), *values.stride(), output.stride(0),
         output.stride(1), block_table.stride(0), rows.masks.stride(0), rows.masks.stride(1),
-        GROUPS=groups, HEAD_DIM=d, HEAD_DIM_P=triton.next_power_of_2(d), PAGE=page,
-        BLOCK_Q=rows.block_q, BLOCK_M=max(BLOCK_M, triton.next_power_of_2(groups)),
-        BLOCK_N=BLOCK_N, UPCAST=upcast,
-        # 4 warps spill registers at head_dim 128 on sm_90 (ptxas -v, independent audit)
-        num_warps=8 if d >= 128 else 4)
+        GROUPS=groups, HEAD_DIM=d, HEAD_DIM_P=head_dim_p, PAGE=page, BLOCK_Q=rows.block_q,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST=upcast, SPLIT=splits > 1, num_warps=warps)
+    if splits > 1:
+        _merge_splits_kernel[(tiles, kv_heads)](
+            output, rows.tiles, rows.requests, partial, stats, splits, output.stride(0),
+            output.stride(1), GROUPS=groups, HEAD_DIM=d, HEAD_DIM_P=head_dim_p,
+            BLOCK_Q=rows.block_q, BLOCK_M=block_m, num_warps=warps)

@@ -3,26 +3,11 @@
 `translate_speculative_config` turns the user's JSON into vLLM's draft_model config (the draft is
 the target) plus `additional_config["subspec"]`; `apply_platform_rules` then sets or refuses the
 engine arguments SubSpec depends on. Both run in the front end inside
-`EngineArgs.create_speculative_config` (patches.py), which vLLM calls from `create_engine_config`
-before it builds the SchedulerConfig, AttentionConfig and CompilationConfig from those arguments
-(`engine/arg_utils.py` 0.32.0 :2594 then :2640/:2686; 0.33.0 :2635 then :2681). Every refusal is
-one `SubSpecConfigError`, raised before any weight is loaded.
-
-CUDA rules, for trees (tree_width > 1):
-- async scheduling off: under it the runner's `num_computed_tokens_cpu` is optimistic (every
-  draft counted as accepted) until corrected after the forward (`gpu_model_runner.py` 0.32.0
-  ~1356-1363, 1505-1535), and the tree verify takes its root position from it. vLLM turns it on
-  by default for draft_model (`config/vllm.py` 0.32.0 :1585-1644); the CPU platform forces it off.
-- attention backend pinned to FLASH_ATTN: the ancestor-only mask is applied in
-  `FlashAttentionImpl.forward` only (patches.py); other backends (FlashInfer is the default on
-  Blackwell, `platforms/cuda.py` 0.32.0 :158-166) would silently run causal attention over the tree.
-- PIECEWISE CUDA graphs: the mask runs in the backend's Python forward, outside the graphs.
-- refused: dtypes or GPUs FlashAttention does not support.
-Rule for trees on every platform (the CPU backend too): refused are quantized (fp8) KV caches
-(the tree gather reads raw cache bytes, without k/v scales) and active sliding windows (the tree
-rows ignore the window, and blocks outside it may be freed).
-CUDA rule for every shape: something must be offloaded, or the draft is the full-precision target
-(D full forwards per step, slower than plain decoding).
+`EngineArgs.create_speculative_config` (patches.py), which `EngineArgs.create_engine_config`
+calls before it builds the SchedulerConfig, AttentionConfig and CompilationConfig from those
+arguments. Every refusal is one `SubSpecConfigError`, raised before any weight is loaded; each
+worker re-checks the resolved config (`check_final_config`). The rules and why: docs/gpu.md,
+"CUDA configuration rules".
 """
 
 from __future__ import annotations
@@ -103,6 +88,7 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
         _refuse_micro_batching(target_parallel_config)
     if not platform.is_cuda_alike():
         return  # the CPU platform: no async scheduling, its own attention backend
+    _offload_through_prefetch(engine_args, target_model_config, options)
     _require_offload(engine_args, options)
     _no_async_scheduling(engine_args)
     if not options.is_tree:
@@ -155,6 +141,53 @@ def _refuse_micro_batching(parallel_config) -> None:
             "drop it or use tree_width=1")
 
 
+def _offload_through_prefetch(engine_args, target_model_config,
+                              options: SubSpecOptions) -> None:
+    """`--cpu-offload-gb N` with the offload backend left to "auto": as much GPU memory left as
+    UVA would leave, offloaded through vLLM's prefetch offloader (`prefetch_plan`), whose copies
+    of the next verify's first layers run while the draft drafts. Kept as vLLM chooses: an
+    explicit backend, any prefetch setting, a parameter filter, explicit `substitute_layers`
+    that miss a layer the plan would stream, and a plan the model has too few layers for."""
+    from vllm_subspec.vllm_hooks.prefetch_plan import (
+        decoder_layer_bytes,
+        plan_prefetch,
+        substitute_share,
+    )
+
+    gb = engine_args.cpu_offload_gb or 0
+    prefetch_set = engine_args.offload_group_size or engine_args.offload_num_in_group != 1 \
+        or engine_args.offload_prefetch_step != 1
+    if engine_args.offload_backend != "auto" or gb <= 0 or prefetch_set \
+            or engine_args.cpu_offload_params or engine_args.offload_params:
+        if engine_args.offload_backend == "uva" and gb > 0:
+            logger.info("vllm-subspec: --offload-backend uva: the verify reads the offloaded "
+                        "weights over PCIe inside its kernels and nothing overlaps drafting "
+                        "(docs/gpu.md, 'Prefetch overlap')")
+        return
+    hf = target_model_config.hf_text_config
+    layers = options.substitute_layers
+    # with "offloaded", each extra streamed layer adds its substitute back to the GPU
+    share = substitute_share(options.bits, options.group_size) if layers == "offloaded" \
+        else 0.0
+    plan = plan_prefetch(hf.num_hidden_layers,
+                         decoder_layer_bytes(hf, target_model_config.dtype.itemsize), gb, share)
+    if plan is None:
+        logger.info("vllm-subspec: --cpu-offload-gb %g offloads about every decoder layer; it "
+                    "stays on vLLM's UVA offloader (prefetch slots would not fit)", gb)
+        return
+    if isinstance(layers, tuple) and not set(plan.offloaded) <= set(layers):
+        logger.info("vllm-subspec: --cpu-offload-gb %g stays on vLLM's UVA offloader: the "
+                    "prefetch offloader would stream layers %s, which substitute_layers does "
+                    "not substitute", gb, sorted(set(plan.offloaded) - set(layers)))
+        return
+    engine_args.offload_backend = "prefetch"
+    engine_args.offload_group_size = plan.group_size
+    engine_args.offload_num_in_group = plan.num_in_group
+    engine_args.offload_prefetch_step = plan.prefetch_step
+    engine_args.cpu_offload_gb = 0
+    logger.info(plan.describe(gb))
+
+
 def _require_offload(engine_args, options: SubSpecOptions) -> None:
     if options.substitute_layers != "offloaded":
         return  # explicit layers (or "all"): the user chose what the draft substitutes
@@ -170,8 +203,11 @@ def _require_offload(engine_args, options: SubSpecOptions) -> None:
 
 
 def _no_async_scheduling(engine_args) -> None:
-    """Every shape is verified by sample-then-match (`SampleMatchVerifier`), which reads the scheduled
-    drafts and their counts on the host: async scheduling makes both placeholders."""
+    """Every shape is verified by sample-then-match (`SampleMatchVerifier`), which reads the
+    scheduled drafts and their counts on the host: async scheduling (on by default for
+    draft_model, `VllmConfig.__post_init__`) makes both placeholders, and the runner's
+    `num_computed_tokens_cpu`, the tree verify's root position, optimistic until corrected
+    after the forward (`GPUModelRunner._update_states`)."""
     if engine_args.async_scheduling:
         raise SubSpecConfigError(
             "async scheduling is not supported by SubSpec (its verify reads the scheduled "
@@ -183,12 +219,16 @@ def _no_async_scheduling(engine_args) -> None:
 
 
 def _pin_flash_attention(engine_args, target_model_config, platform) -> None:
+    """Trees run FLASH_ATTN: the ancestor-only mask is applied in `FlashAttentionImpl.forward`
+    only (patches.py); another backend (FlashInfer is Blackwell's default,
+    `vllm.platforms.cuda._get_backend_priorities`) would run causal attention over the tree."""
     from vllm.config.attention import AttentionConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
     flash = AttentionBackendEnum.FLASH_ATTN
-    # vLLM's own parser of the option ("auto" -> None, names -> enum; arg_utils.py :2694)
+    # vLLM's own parser of the option ("auto" -> None, names -> enum), as
+    # `EngineArgs.create_engine_config` applies it
     chosen = AttentionConfig.validate_backend_before(engine_args.attention_backend) \
         or engine_args.attention_config.backend
     if chosen is not None and chosen != flash:
@@ -199,8 +239,8 @@ def _pin_flash_attention(engine_args, target_model_config, platform) -> None:
         raise SubSpecConfigError(
             "attention_config.backend_per_kind is not supported with tree drafting (every "
             "decoder layer must run FLASH_ATTN); drop it or use tree_width=1")
-    # The call the worker's backend selector makes (`platforms/cuda.py` 0.32.0 :418): it refuses
-    # GPUs, dtypes and head sizes FlashAttention cannot run, now rather than at model load.
+    # The call the worker's backend selector makes (`CudaPlatformBase.get_attn_backend_cls`): it
+    # refuses GPUs, dtypes and head sizes FlashAttention cannot run, now rather than at model load.
     selector = AttentionSelectorConfig(
         head_size=target_model_config.get_head_size(), dtype=target_model_config.dtype,
         kv_cache_dtype=resolved_kv_cache_dtype(engine_args, target_model_config),
@@ -220,7 +260,8 @@ def _pin_flash_attention(engine_args, target_model_config, platform) -> None:
 
 def resolved_kv_cache_dtype(engine_args, target_model_config) -> str:
     """The KV cache dtype vLLM will use: "auto" can resolve to a checkpoint's own KV
-    quantization (`utils/torch_utils.py` resolve_kv_cache_dtype_string, arg_utils.py :2257)."""
+    quantization (`vllm.utils.torch_utils.resolve_kv_cache_dtype_string`, which
+    `EngineArgs.create_engine_config` calls)."""
     from vllm.utils.torch_utils import resolve_kv_cache_dtype_string
 
     return resolve_kv_cache_dtype_string(engine_args.kv_cache_dtype, target_model_config)
@@ -246,9 +287,10 @@ def _refuse_unreadable_kv(engine_args, target_model_config) -> None:
 def check_final_config(vllm_config, options: SubSpecOptions, platform) -> None:
     """Checked in each worker on the resolved config: options applied after our front-end rule
     can still put attention inside CUDA graphs, where the tree mask would be skipped:
-    `pass_config.fuse_attn_quant` (turns PIECEWISE into FULL, compilation.py 0.32.0 :1253), a
-    user `splitting_ops` list without the attention op, or breakable CUDA graphs (which also
-    wrap the drafter, gpu_model_runner.py 0.32.0 :5195-5210)."""
+    `pass_config.fuse_attn_quant` (turns PIECEWISE into FULL,
+    `CompilationConfig.set_splitting_ops_for_attn_fusion`), a user `splitting_ops` list without
+    the attention op, or breakable CUDA graphs (which also wrap the drafter,
+    `GPUModelRunner.load_model`)."""
     if not (options.is_tree and platform.is_cuda_alike()):
         return
     import vllm.envs as envs
@@ -268,7 +310,7 @@ def check_final_config(vllm_config, options: SubSpecOptions, platform) -> None:
 
 def sliding_window_of(hf_text_config) -> int | None:
     """The window of a target whose layers really use one. Per-layer `layer_types` decide when
-    present (vLLM's llama.py :202-204 reads them); else the config's `sliding_window`, which
+    present (vLLM's `LlamaAttention.__init__` reads them); else the config's `sliding_window`, which
     transformers sets to None for Qwen2 when `use_sliding_window` is false."""
     window = getattr(hf_text_config, "sliding_window", None)
     layer_types = getattr(hf_text_config, "layer_types", None)
@@ -280,7 +322,7 @@ def sliding_window_of(hf_text_config) -> int | None:
 def tree_cudagraph_mode(requested):
     """Trees need PIECEWISE CUDA graphs: attention must run outside the graphs, since the tree
     mask is applied in the attention backend's Python forward, which a FULL graph's replay
-    would skip. vLLM makes the same override for KV connectors (config/vllm.py)."""
+    would skip. vLLM makes the same override for KV connectors (`VllmConfig.__post_init__`)."""
     from vllm.config import CUDAGraphMode
 
     if requested is not None and not requested.has_full_cudagraphs():

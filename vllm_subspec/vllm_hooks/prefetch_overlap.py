@@ -1,39 +1,15 @@
 """The next verify pass's first offloaded-layer copies, run while SubSpec drafts, with CUDA graphs.
 
-vLLM's prefetch offloader (vllm/model_executor/offloader/prefetch.py, identical in 0.32.0 and
-0.33.0) keeps `s = offload_prefetch_step` GPU slots; offloaded layer i lives in slot i % s
-(`post_init`, :373). After layer i's forward the hook starts the copy of layer
-`_get_next_prefetch_index(i)` (:248-259); for the last layers that target is one of the first s
-("refill" copies: they put layers 0..s-1 back into the slots the later layers used).
-
-* Eager forwards: a refill copy is left running on the copy stream; the next forward's layer j
-  waits on its event (`_wait_for_layer`, :292-299). It already runs while the draft runs.
-* CUDA graphs (CUDAGraphWrapper, compilation/cuda_graph.py:309-360): the copy is captured into
-  the graph and `join_after_forward` (:315-334) makes the graph (FULL) or the piece (PIECEWISE)
-  end only once it has landed. The verify pass therefore ends after the refill copies; nothing
-  is left to overlap the draft.
-
-`OverlappingPrefetchOffloader` moves the refill copies of graph forwards out of the graphs: while a graph
-is being captured, a start of a target below s is not issued (so it is not captured), and the
-copy is issued eagerly instead, outside any graph, on vLLM's copy stream, by vLLM's own
-`_ModuleOffloader.start_onload_to_static` (fork event on the compute stream first: the copy
-starts only after every kernel queued before it, i.e. after the last reader of the slot):
-
-1. `start_before_draft()` — by the proposer, after the verify pass and sampling were queued,
-   before drafting: the copies run while the draft runs;
-2. otherwise at the first `sync_prev_onload()` of the next graph forward (vLLM calls it before
-   every capture and replay), before vLLM's `wait_stream(copy_stream)` there;
-3. otherwise (an eager forward) in `_wait_for_layer(j)`, before vLLM's wait for that layer.
-
-The graph forward waits for them in `sync_prev_onload` (`wait_stream(copy_stream)`); an eager
-forward waits for each layer's `_copy_done_event`, which `start_onload_to_static` recorded
-outside capture (`_event_valid_for_eager`).
-
-Which layer each slot holds is tracked from every copy issued in Python (eager ring copies,
-the copies above, `post_init`'s first s); a graph forward (seen at its first `sync_prev_onload`,
-one forward context per target forward) is taken to leave the slots of layers s..n-1 in the
-slots of 0..s-1. A copy is issued only when a slot does not hold (or is not already loading)
-the layer about to read it, so eager mode gets no second copy.
+vLLM's `PrefetchOffloader` (identical in 0.32.0 and 0.33.0) starts, after the last offloaded
+layers' forwards (`PrefetchOffloader._hook_module_forward`), "refill" copies of the first
+s = `offload_prefetch_step` ones; a graph forward (`CUDAGraphWrapper.__call__`) captures them
+and ends only once they have landed (`PrefetchOffloader.join_after_forward`): nothing is left
+to overlap the draft. `OverlappingPrefetchOffloader` does not issue them while capturing; it
+issues them eagerly on vLLM's copy stream (`_ModuleOffloader.start_onload_to_static`): before
+drafting (`start_before_draft`), else at the next graph forward's first `sync_prev_onload`,
+else before an eager forward's `_wait_for_layer`. It tracks which layer each slot holds (a
+graph forward is taken to leave layers s..n-1 in the refilled slots), so no copy is issued
+twice. The ring, the orderings and the hazards: docs/gpu.md, "Prefetch overlap".
 """
 
 from __future__ import annotations
@@ -109,7 +85,8 @@ class OverlappingPrefetchOffloader(PrefetchOffloader):
         return layer % self.prefetch_step  # `PrefetchOffloader.post_init`'s assignment
 
     def _ensure(self, layers, where: str) -> None:
-        """Issue the copy of every layer in `layers` whose slot holds another one (eager)."""
+        """Issue the copy of every layer in `layers` whose slot holds another one (eager: its
+        event, recorded outside capture, is the one an eager forward waits on)."""
         for j in layers:
             if self.slot_layer.get(self._slot(j)) != j:
                 self.module_offloaders[j].start_onload_to_static()

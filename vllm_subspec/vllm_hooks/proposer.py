@@ -236,29 +236,37 @@ class SubSpecProposer(DraftModelProposer):
 
     def _run_peak_temporaries(self, hidden_size: int, dtype: torch.dtype) -> None:
         """What a step allocates past its forwards, at its widest, for vLLM's memory profile:
-        the draft's widest level past its layers (logits, sharpened fp32 log-probabilities,
-        the top-k over k x V candidates), a compared step's kept hidden states, and the
-        verify's logits held while one chunk of max_num_seqs rows is drawn in fp32 by vLLM's
-        top-k/top-p sampler. docs/gpu.md, "Memory"."""
+        the verify's logits, which the runner holds through the next drafting, and, while they
+        are held, first the draft's widest level past its layers (logits, sharpened fp32
+        log-probabilities, top-k over k x V candidates, a compared step's kept hidden states),
+        then the verify's draws (the step's per-request penalty counts, one chunk of
+        max_num_seqs rows in fp32 with its counts and masks, vLLM's top-k/top-p sampler).
+        docs/gpu.md, "Engine start-up"."""
+        sc = self.vllm_config.scheduler_config
         k = max(self.options.widths)
-        batch = min(self.vllm_config.scheduler_config.max_num_seqs,
-                    max(1, self.max_num_tokens // k))
-        # held from a compared step's first pass through its verify
-        compared = min(COMPARED_REQUESTS, self.vllm_config.scheduler_config.max_num_seqs) \
+        batch = min(sc.max_num_seqs, max(1, self.max_num_tokens // k))
+        vocab, rows = self.vllm_config.model_config.get_vocab_size(), self.verify_rows_bound()
+        verify_logits = torch.rand(rows, vocab, dtype=dtype, device=self.device)
+        compared = min(COMPARED_REQUESTS, sc.max_num_seqs) \
             if self.options.is_tree and len(self.options.draft_lm_heads) > 1 else 0
         node_hidden = torch.empty(compared * (self.options.num_draft_tokens + 1), hidden_size,
-                                  dtype=dtype, device=self.device)  # noqa: F841 (held)
+                                  dtype=dtype, device=self.device)
         hidden = torch.rand(batch * k, hidden_size, dtype=dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         if k > 1:  # a chain's argmax adds nothing beyond its logits
             widest_level(logits, batch, k, self.options.draft_temperature)
-        vocab, rows = logits.shape[-1], self.verify_rows_bound()
+        del node_hidden, hidden, logits
         chunk = min(self.runner.max_num_reqs, rows)
-        del hidden, logits
-        verify_logits = torch.rand(rows, vocab, dtype=dtype, device=self.device)
-        scaled = verify_logits[:chunk].float() / 0.5
+        counts = torch.zeros(sc.max_num_seqs, vocab + 1, dtype=torch.int64, device=self.device)
+        held = [counts[:, :vocab] > 0]  # the prompt mask, live beside the counts
+        chunk_counts = counts[:chunk].clone()[:, :vocab]
+        scaled = verify_logits[:chunk].float()
+        scaled -= 0.5 * chunk_counts
+        scaled -= 0.5 * (chunk_counts > 0)
+        scaled /= 0.5
         full = lambda value: torch.full((chunk,), value, device=self.device)  # noqa: E731
         self.runner.sampler.topk_topp_sampler(scaled, {}, full(vocab - 1), full(0.9))
+        del held
 
     # ---- drafting ------------------------------------------------------------------------
     def propose(

@@ -6,11 +6,13 @@ everything else is the session's.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
 from vllm_subspec.step.paged_kv import PagedKv
 from vllm_subspec.step.session import StepSession, VerifyRequest
+from vllm_subspec.step.transfer import to_device
 
 
 class SampleMatchVerifier:
@@ -28,9 +30,11 @@ class SampleMatchVerifier:
                                   int(runner.query_start_loc.np[i]))
                     for i, req_id in enumerate(batch.req_ids[: batch.num_reqs])
                     if spec.get(req_id)]
-        for write in self.session.prepare_verify(requests):
-            end = write.start + len(write.positions)
-            runner.positions[write.start: end] = write.positions.to(runner.positions.device)
+        writes = self.session.prepare_verify(requests)
+        if len(writes.rows):  # one copy for every request's rewrites
+            device = runner.positions.device
+            both = to_device(torch.from_numpy(np.stack([writes.rows, writes.positions])), device)
+            runner.positions.index_copy_(0, both[0], both[1].to(runner.positions.dtype))
 
     def verify_forward(self):
         """Around vLLM's `_model_forward`: the tree plan of this step's verify is active."""
@@ -55,7 +59,7 @@ class SampleMatchVerifier:
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, walk.drawn_at, walk.tokens,
                                       sampling_metadata.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=walk.tokens.to(logits.device),
+        return SamplerOutput(sampled_token_ids=to_device(walk.tokens, logits.device),
                              logprobs_tensors=logprobs)
 
     def _logprobs(self, logits, drawn_at, tokens, max_num_logprobs):
@@ -63,8 +67,9 @@ class SampleMatchVerifier:
         layout, from the target's logits where each token was drawn, as a plain engine
         reports them; fp32 rows max_num_seqs at a time."""
         sampler = self.runner.sampler
-        at = drawn_at.flatten().to(logits.device)
-        ids = tokens.flatten().clamp(min=0).to(torch.int64).to(logits.device)
+        host = torch.stack([drawn_at.flatten().to(torch.int64),
+                            tokens.flatten().clamp(min=0).to(torch.int64)])
+        at, ids = to_device(host, logits.device)  # one copy
         parts = []
         for start in range(0, at.shape[0], self.runner.max_num_reqs):
             chunk = slice(start, start + self.runner.max_num_reqs)

@@ -1,0 +1,52 @@
+"""benchmarks/projection.py: the paper's cost model with the offload backend, the overlap and
+the step's host work (docs/gpu.md, "Prefetch overlap" and "Projection")."""
+
+import dataclasses
+import json
+
+import pytest
+
+from benchmarks.projection import GpuSetting, measured_host_ms, projected_speedup
+
+PAPER = GpuSetting()  # Qwen2.5-7B, 8 GB, PCIe 4 at 25 GB/s, 11 ms per draft pass
+
+
+def test_the_papers_tau_projects_near_the_papers_measurement():
+    assert 8.0 < projected_speedup(27.08, 48, PAPER) < 10.5  # the paper measured 9.1x
+
+
+def test_prefetch_hides_its_first_layers_and_pays_for_slots_and_substitutes():
+    """docs/gpu.md, "Prefetch overlap": at the same GPU memory the prefetch plan streams
+    2 / (1 - 0.281) layers more than UVA and hides 2 under drafting, so at equal bandwidth it is
+    a little behind UVA, and ahead once UVA's in-kernel reads are slower than the copies."""
+    prefetch = dataclasses.replace(PAPER, memory_gb=12.0)  # 8 GB leaves no room for its layers
+    uva = dataclasses.replace(prefetch, backend="uva")
+    assert prefetch.uses_prefetch() and not uva.uses_prefetch()
+    draft_ms = 48 * PAPER.draft_pass_ms
+    assert prefetch.overlap_ms(draft_ms) == pytest.approx(
+        1e3 * prefetch.slots * prefetch.layer_gb / prefetch.bandwidth_gbps)
+    assert uva.overlap_ms(draft_ms) == 0.0
+    assert prefetch.overlap_ms(1.0) == 1.0  # never more than the draft it hides under
+    at_par = projected_speedup(27.08, 48, prefetch) / projected_speedup(27.08, 48, uva)
+    assert 0.97 < at_par < 1.0
+    for efficiency in (0.5, 0.8, 0.9):  # break-even near 0.95 here
+        slow = dict(uva_efficiency=efficiency)
+        assert projected_speedup(27.08, 48, dataclasses.replace(prefetch, **slow)) > \
+            projected_speedup(27.08, 48, dataclasses.replace(uva, **slow))
+    # where the plan's layers do not exist the engine keeps UVA, and so does the model
+    assert not PAPER.uses_prefetch()
+    assert projected_speedup(27.08, 48, PAPER) == projected_speedup(
+        27.08, 48, dataclasses.replace(PAPER, backend="uva"))
+
+
+def test_host_work_is_read_from_the_step_host_results(tmp_path):
+    assert measured_host_ms(48, path=tmp_path / "missing.json") == 0.0
+    path = tmp_path / "step_host.json"
+    path.write_text(json.dumps({
+        "verify": [{"batch": 1, "output_len": 1000, "penalties": True, "verify_ms": 1.5},
+                   {"batch": 8, "output_len": 1000, "penalties": True, "verify_ms": 4.0}],
+        "draft": [{"batch": 1, "ms_per_pass": 0.1}, {"batch": 8, "ms_per_pass": 0.3}]}))
+    assert measured_host_ms(48, path=path) == pytest.approx(1.5 + 48 * 0.1)
+    assert measured_host_ms(10, batch=8, path=path) == pytest.approx(4.0 + 10 * 0.3)
+    slower = dataclasses.replace(PAPER, host_ms=measured_host_ms(48, path=path))
+    assert projected_speedup(27.08, 48, slower) < projected_speedup(27.08, 48, PAPER)
