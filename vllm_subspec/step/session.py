@@ -47,6 +47,7 @@ class StepStats:
     draft_steps: int = 0  # proposals (steps that asked the drafter)
     plain_steps: int = 0  # proposals that drafted nothing: plain decoding predicted faster
     draft_passes: int = 0  # draft forwards
+    draft_graph_passes: int = 0  # of those, dispatched to a captured CUDA-graph bucket
     # wall time in `propose`; for a chain on a device the host's time (the stream is not waited
     # for: a chain's drafts stay on the device, vLLM consumes them in stream order)
     draft_seconds: float = 0.0

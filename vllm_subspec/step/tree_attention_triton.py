@@ -19,10 +19,80 @@ import triton.language as tl
 
 from vllm_subspec.step.transfer import to_device
 
-# query rows per program (tree rows x the query heads sharing a KV head); context per tile
-BLOCK_M = 64
-BLOCK_N = 32
 MAX_SPLITS = 64  # context splits per tile at most (each a BLOCK_N multiple)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The kernel's tile sizes and launch settings (scripts/gpu_components.py times the
+    alternatives on a GPU)."""
+
+    block_m: int = 64  # query entries per program: tree rows x the query heads of a KV head
+    block_n: int = 32  # context positions per tile
+    num_warps: int = 0  # 0: 8 at head_dim >= 128 (4 spill registers on sm_90), else 4
+    num_stages: int = 0  # 0: Triton's default
+    k_rows: bool = False  # load K along the head dim and transpose it in registers
+    # whole prefix tiles in a loop of their own that reads no tree mask and checks no bound
+    prefix_phase: bool = False
+
+    def warps(self, head_dim: int) -> int:
+        return self.num_warps or (8 if head_dim >= 128 else 4)
+
+
+DEFAULT_CONFIG = KernelConfig()
+BLOCK_M, BLOCK_N = DEFAULT_CONFIG.block_m, DEFAULT_CONFIG.block_n
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, table_row, req,
+                 offs_d, d_ok, scale, key_cache_ptr, value_cache_ptr, block_table_ptr,
+                 masks_ptr, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
+                 stride_vh, stride_vd, stride_bt, stride_mr, stride_mq, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
+                 K_ROWS: tl.constexpr):
+    """One BLOCK_N tile of context folded into the online softmax. MASKED: the tile may hold
+    tree slots or run past `hi` (the tree mask and bounds are applied); else every position is
+    a prefix position every row sees (no mask is read, no bound is checked)."""
+    t = start + tl.arange(0, BLOCK_N)  # logical positions of this tile
+    t_ok = t < hi
+    if MASKED:
+        block = tl.load(block_table_ptr + table_row * stride_bt + t // PAGE, mask=t_ok, other=0)
+    else:
+        block = tl.load(block_table_ptr + table_row * stride_bt + t // PAGE)
+    off = t % PAGE
+    kv_ok = t_ok[:, None] & d_ok[None, :]
+    if K_ROWS:  # [BLOCK_N, HEAD_DIM_P] along the cache's contiguous head dim, transposed
+        k = tl.trans(tl.load(key_cache_ptr + block[:, None].to(tl.int64) * stride_kb
+                             + off[:, None] * stride_ks + kv_head * stride_kh
+                             + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0))
+    else:
+        k = tl.load(key_cache_ptr + block[None, :].to(tl.int64) * stride_kb
+                    + off[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None] * stride_kd,
+                    mask=t_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_P, BLOCK_N]
+    v = tl.load(value_cache_ptr + block[:, None].to(tl.int64) * stride_vb
+                + off[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+                mask=kv_ok, other=0.0)  # [BLOCK_N, HEAD_DIM_P]
+    if UPCAST:
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, k) * scale
+    if MASKED:
+        j = t - prefix  # tree slot of each position (negative: the prefix)
+        in_tree = (j >= 0) & t_ok
+        seen = tl.load(masks_ptr + req * stride_mr + row[:, None] * stride_mq + j[None, :],
+                       mask=row_ok[:, None] & in_tree[None, :], other=0)
+        visible = row_ok[:, None] & t_ok[None, :] & ((j < 0)[None, :] | (seen != 0))
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing seen yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
 
 
 # Strides are int64, as in vLLM's `kernel_unified_attention_2d`: a head-major layout (LHBNC) has a
@@ -39,7 +109,8 @@ def _tree_attention_kernel(
     stride_bt: tl.int64, stride_mr: tl.int64, stride_mq: tl.int64,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, SPLIT: tl.constexpr, K_ROWS: tl.constexpr,
+    PREFIX_PHASE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -71,37 +142,24 @@ def _tree_attention_kernel(
     per_split = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, total)
-    for start in range(lo, hi, BLOCK_N):
-        t = start + tl.arange(0, BLOCK_N)  # logical positions of this tile
-        t_ok = t < hi
-        block = tl.load(block_table_ptr + table_row * stride_bt + t // PAGE, mask=t_ok, other=0)
-        off = t % PAGE
-        k = tl.load(key_cache_ptr + block[None, :].to(tl.int64) * stride_kb
-                    + off[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None] * stride_kd,
-                    mask=t_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_P, BLOCK_N]
-        v = tl.load(value_cache_ptr + block[:, None].to(tl.int64) * stride_vb
-                    + off[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_P]
-        if UPCAST:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, k) * scale
-        j = t - prefix  # tree slot of each position (negative: the prefix)
-        in_tree = (j >= 0) & t_ok
-        seen = tl.load(masks_ptr + req * stride_mr + row[:, None] * stride_mq + j[None, :],
-                       mask=row_ok[:, None] & in_tree[None, :], other=0)
-        visible = row_ok[:, None] & ((j < 0)[None, :] | (seen != 0))
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing seen yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # PREFIX_PHASE: whole tiles of prefix first (every row sees them: no mask read), then the
+    # rest masked; else every tile masked. Padding rows (row_ok false) have q = 0 and are
+    # never stored.
+    mid = lo
+    if PREFIX_PHASE:
+        mid = lo + tl.maximum(tl.minimum(hi, prefix) - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, mid, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, table_row, req, offs_d,
+            d_ok, scale, key_cache_ptr, value_cache_ptr, block_table_ptr, masks_ptr, stride_kb,
+            stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_bt, stride_mr, stride_mq, PAGE, BLOCK_N, UPCAST, False, K_ROWS)
+    for start in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, table_row, req, offs_d,
+            d_ok, scale, key_cache_ptr, value_cache_ptr, block_table_ptr, masks_ptr, stride_kb,
+            stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_bt, stride_mr, stride_mq, PAGE, BLOCK_N, UPCAST, True, K_ROWS)
     if SPLIT:  # unnormalized, with its max and sum: `_merge_splits_kernel` combines them
         at = (split * tl.num_programs(0) * tl.num_programs(1) + tile * tl.num_programs(1)
               + kv_head).to(tl.int64) * BLOCK_M + offs_m
@@ -169,18 +227,20 @@ class TritonTreeRows:
     masks: torch.Tensor  # [R, rows, m] int8: row r of request i sees tree slot L + j
     block_q: int
     num_splits: int = 1  # context splits per tile (`split_count`)
+    config: KernelConfig = DEFAULT_CONFIG
     # the splits' partial results, made at the first layer and reused by the others
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def split_count(tiles: int, kv_heads: int, capacity: int, sm_count: int) -> int:
+def split_count(tiles: int, kv_heads: int, capacity: int, sm_count: int,
+                block_n: int = BLOCK_N) -> int:
     """Context splits per tile: enough for tiles x KV heads x splits >= the GPU's SMs (one split
     where the tiles alone fill them), within a request's capacity in BLOCK_N tiles and
     MAX_SPLITS. Each request splits its own context evenly in the kernel."""
     programs = tiles * kv_heads
     if programs == 0 or programs >= sm_count:
         return 1
-    return max(1, min(-(-sm_count // programs), -(-capacity // BLOCK_N), MAX_SPLITS))
+    return max(1, min(-(-sm_count // programs), -(-capacity // block_n), MAX_SPLITS))
 
 
 def sm_count(device: torch.device) -> int:
@@ -191,12 +251,13 @@ def sm_count(device: torch.device) -> int:
 
 
 def tree_rows_layout(requests: list, device: torch.device, groups: int, kv_heads: int = 1,
-                     capacity: int = 0, sms: int | None = None) -> TritonTreeRows:
+                     capacity: int = 0, sms: int | None = None,
+                     config: KernelConfig = DEFAULT_CONFIG) -> TritonTreeRows:
     """The kernels' inputs for `requests` (`tree_attention.TreeRows`): their integers in one
     host-to-device copy (pinned and asynchronous on CUDA: no host sync), roots given as device
     tensors stacked on the device, masks padded into one tensor, and the split count for
     `kv_heads` and a block table of `capacity` tokens per request (`split_count`)."""
-    block_q = max(1, BLOCK_M // groups)  # tree rows per program
+    block_q = max(1, config.block_m // groups)  # tree rows per program
     rows = [r.tree_mask.shape[0] for r in requests]
     on_device = [isinstance(r.prefix_len, torch.Tensor) for r in requests]
     ints = [[r.req_index, r.q_start, n, 0 if dev else r.prefix_len, r.tree_mask.shape[1], 0,
@@ -222,8 +283,9 @@ def tree_rows_layout(requests: list, device: torch.device, groups: int, kv_heads
     if requests and not any(on_device):  # contexts known here: split what they hold
         capacity = min(capacity, max(r.prefix_len + r.tree_mask.shape[1] for r in requests))
     splits = split_count(len(tiles) // 2, kv_heads, capacity, sm_count(device) if sms is None
-                         else sms)
-    return TritonTreeRows(packed[split:].view(-1, 2), per_request, padded, block_q, splits)
+                         else sms, config.block_n)
+    return TritonTreeRows(packed[split:].view(-1, 2), per_request, padded, block_q, splits,
+                          config)
 
 
 def tree_attention_into(output: torch.Tensor, query: torch.Tensor, keys: torch.Tensor,
@@ -239,8 +301,8 @@ def tree_attention_into(output: torch.Tensor, query: torch.Tensor, keys: torch.T
     groups = heads // kv_heads
     for t in (query, output, block_table, rows.masks):
         assert t.stride(-1) == 1, "the kernel assumes a contiguous last dimension"
-    tiles, splits = rows.tiles.shape[0], rows.num_splits
-    block_m = max(BLOCK_M, triton.next_power_of_2(groups))
+    tiles, splits, config = rows.tiles.shape[0], rows.num_splits, rows.config
+    block_m = max(config.block_m, triton.next_power_of_2(groups))
     head_dim_p = triton.next_power_of_2(d)
     workspace_rows = splits * tiles * kv_heads * block_m
     if splits > 1 and (rows.workspace is None or rows.workspace[0].shape[0] < workspace_rows
@@ -251,15 +313,16 @@ def tree_attention_into(output: torch.Tensor, query: torch.Tensor, keys: torch.T
             torch.empty(workspace_rows, head_dim_p, dtype=torch.float32, device=query.device),
             torch.empty(workspace_rows, 2, dtype=torch.float32, device=query.device))
     partial, stats = rows.workspace if splits > 1 else (output, output)  # (unused unsplit)
-    # 4 warps spill registers at head_dim 128 on sm_90 (ptxas -v, independent audit)
-    warps = 8 if d >= 128 else 4
+    warps = config.warps(d)
+    stages = {"num_stages": config.num_stages} if config.num_stages else {}
     _tree_attention_kernel[(tiles, kv_heads, splits)](
         query, keys, values, output, block_table, rows.masks, rows.tiles, rows.requests,
         partial, stats, scale, splits,
         query.stride(0), query.stride(1), *keys.stride(), *values.stride(), output.stride(0),
         output.stride(1), block_table.stride(0), rows.masks.stride(0), rows.masks.stride(1),
         GROUPS=groups, HEAD_DIM=d, HEAD_DIM_P=head_dim_p, PAGE=page, BLOCK_Q=rows.block_q,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST=upcast, SPLIT=splits > 1, num_warps=warps)
+        BLOCK_M=block_m, BLOCK_N=config.block_n, UPCAST=upcast, SPLIT=splits > 1,
+        K_ROWS=config.k_rows, PREFIX_PHASE=config.prefix_phase, num_warps=warps, **stages)
     if splits > 1:
         _merge_splits_kernel[(tiles, kv_heads)](
             output, rows.tiles, rows.requests, partial, stats, splits, output.stride(0),

@@ -336,6 +336,8 @@ class SubSpecProposer(DraftModelProposer):
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=draft_index)
         mode, padded = self.draft_bucket(num_tokens)
+        if mode != CUDAGraphMode.NONE:
+            self.session.stats.draft_graph_passes += 1
         self.input_ids[:num_tokens] = input_ids
         with set_forward_context(
             per_layer_metadata,
