@@ -247,13 +247,25 @@ def kv_tokens(max_model_len: int, max_num_seqs: int) -> int:
     return max(max_model_len, max_num_seqs * 1024)
 
 
+KV_BLOCK = 16  # vLLM's CUDA block size (FlashAttention's default)
+
+
+def kv_cache_bytes(shape: ModelShape, tokens: int) -> int:
+    """`kv_cache_memory_bytes` that holds `tokens` tokens: whole blocks, plus the one block
+    vLLM keeps back (the null block) before it checks that one full-length request fits
+    (`get_kv_cache_configs`)."""
+    per_token = 2 * 2 * shape.kv_dim * shape.num_layers  # K and V, bf16, every layer
+    return (-(-tokens // KV_BLOCK) + 1) * KV_BLOCK * per_token
+
+
 def needed_reserve_gb(shape: ModelShape, max_num_seqs: int, max_num_batched_tokens: int,
                       max_model_len: int, tree_width: int, tree_depth: int) -> float:
     """The reserve the larger of the two engines' plans needs, with MIN_SLACK_GB to spare
     (rounded up to 0.1 GB): the default of --reserved-gb."""
     need = max(profiling_peak_gb(shape, max_num_seqs, max_num_batched_tokens, tree_width,
                                  tree_depth, subspec) for subspec in (False, True))
-    need += shape.kv_gb(kv_tokens(max_model_len, max_num_seqs)) + CUDA_GRAPH_POOL_GB
+    need += kv_cache_bytes(shape, kv_tokens(max_model_len, max_num_seqs)) / 1e9 \
+        + CUDA_GRAPH_POOL_GB
     return math.ceil(10 * (need + MIN_SLACK_GB)) / 10
 
 
@@ -266,7 +278,7 @@ def check_memory_plan(shape: ModelShape, reserved_gb: float, max_num_seqs: int,
     peak = profiling_peak_gb(shape, max_num_seqs, max_num_batched_tokens, tree_width,
                              tree_depth, subspec)
     tokens = kv_tokens(max_model_len, max_num_seqs)
-    kv = shape.kv_gb(tokens)
+    kv = kv_cache_bytes(shape, tokens) / 1e9
     slack = reserved_gb - peak - kv - CUDA_GRAPH_POOL_GB
     plan = {"profiling_peak_gb": peak, "kv_cache_gb": kv, "kv_tokens": tokens,
             "cuda_graph_pool_gb": CUDA_GRAPH_POOL_GB, "slack_gb": slack,
@@ -347,8 +359,8 @@ def engine_plans(args, shape: ModelShape, total_gb: float) -> dict[str, dict]:
                       enforce_eager=False, max_model_len=args.max_model_len, dtype="bfloat16",
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       max_num_seqs=args.max_num_seqs,
-                      kv_cache_memory_bytes=int(shape.kv_gb(kv_tokens(
-                          args.max_model_len, args.max_num_seqs)) * 1e9),
+                      kv_cache_memory_bytes=kv_cache_bytes(shape, kv_tokens(
+                          args.max_model_len, args.max_num_seqs)),
                       **offload_kwargs(args.offload_backend, shape.num_layers, n,
                                        shape.layer_gb))
         if subspec and args.offload_backend == "auto":  # SubSpec's engine rule: prefetch

@@ -80,8 +80,17 @@ TINY = Shapes(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, la
               vocab=1024, tree_rows=(3, 9), contexts=(40, 100), requests=(1, 2),
               linear_rows=(1, 8), draft_rows=(1, 4), draft_context=40, draft_tree_slots=8)
 
-# relative L2 error of the kernel's output against the dense fp32 reference
+# relative L2 error of the kernel's output against the dense fp32 reference: over the whole
+# output, and for the worst (row, head) (a wrong mask at a long context moves the whole output
+# by ~1e-2 only: most of the weight is the prefix's; the worst row shows it)
 MAX_REL_ERR = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
+MAX_ROW_REL_ERR = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
+
+
+def row_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest relative L2 error of one (row, head) of `out` [T, heads, d]."""
+    diff = (out.float() - ref).norm(dim=-1)
+    return (diff / ref.norm(dim=-1).clamp(min=1e-12)).max().item()
 
 
 # --------------------------------------------------------------------------- timing helpers
@@ -148,12 +157,13 @@ def _runtime_counts(fn, device: torch.device, passes: int) -> dict:
     counts = {"kernel_launches": 0, "graph_launches": 0, "host_syncs": 0, "gpu_kernels": 0}
     for e in prof.events():
         name = e.name
-        if name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+        base = name.split("_v")[0]  # CUPTI may add a version suffix (cudaLaunchKernel_v7000)
+        if base in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                     "cudaLaunchKernelExC"):
             counts["kernel_launches"] += 1
-        elif name in ("cudaGraphLaunch", "cuGraphLaunch"):
+        elif base in ("cudaGraphLaunch", "cuGraphLaunch"):
             counts["graph_launches"] += 1
-        elif name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+        elif base in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                       "cudaMemcpy", "cuStreamSynchronize", "cuCtxSynchronize"):
             counts["host_syncs"] += 1
         elif getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
@@ -286,10 +296,12 @@ def section_tree_attention(ctx) -> dict:
                             upcast=dev.type != "cuda"))
                         call()
                         err = ((out.float() - ref).norm() / ref.norm()).item()
+                        worst = row_rel_err(out, ref)
                         row[f"{label}_splits"] = lay.num_splits
                         row[f"{label}_rel_err"] = err
+                        row[f"{label}_row_rel_err"] = worst
                         row[f"{label}_ok"] = bool(torch.isfinite(out).all()) and \
-                            err < MAX_REL_ERR[dtype]
+                            err < MAX_REL_ERR[dtype] and worst < MAX_ROW_REL_ERR[dtype]
                         if dtype == torch.bfloat16:
                             row[f"{label}_ms"] = ctx.clock.device_ms(call)
                     if dtype == torch.bfloat16:
@@ -297,7 +309,8 @@ def section_tree_attention(ctx) -> dict:
                     results.append(row)
                 del cache, layout
     ok = all(r["unsplit_ok"] and r["split_ok"] for r in results)
-    return {"ok": ok, "flash_attn": flash, "cases": results, "max_rel_err": MAX_REL_ERR_STR}
+    return {"ok": ok, "flash_attn": flash, "cases": results, "max_rel_err": MAX_REL_ERR_STR,
+            "max_row_rel_err": {str(k).split(".")[-1]: v for k, v in MAX_ROW_REL_ERR.items()}}
 
 
 MAX_REL_ERR_STR = {str(k).split(".")[-1]: v for k, v in MAX_REL_ERR.items()}
@@ -340,8 +353,9 @@ def kernel_configs(dry: bool) -> list:
 
 def section_tree_attention_configs(ctx) -> dict:
     """Each `KernelConfig` on a verify's and a draft level's shapes (bf16): correct against
-    the dense fp32 reference, and its device time (CUDA-graph replays). The fastest correct one
-    overall (least summed time relative to the default) drafts in the draft-pass section."""
+    the dense fp32 reference (within both error bounds), and its device time (CUDA-graph
+    replays); the fastest correct one overall (least summed time relative to the default) is
+    reported as `best` (the draft pass, which runs before, uses the default)."""
     from vllm_subspec.step.tree_attention import TreeRows
     from vllm_subspec.step.tree_attention_triton import tree_attention_into, tree_rows_layout
 
@@ -378,21 +392,21 @@ def section_tree_attention_configs(ctx) -> dict:
                     out, query, layout.keys, layout.values, table, lay, scale,
                     upcast=dev.type != "cuda"))
                 call()
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                errors[c] = max(errors[c], err)
+                err = max(((out.float() - ref).norm() / ref.norm()).item() / MAX_REL_ERR[dtype],
+                          row_rel_err(out, ref) / MAX_ROW_REL_ERR[dtype])
+                errors[c] = max(errors[c], err)  # as a fraction of the bounds
                 times[c].append(ctx.clock.device_ms(call))
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                 failures[c] = f"{type(e).__name__}: {e}"[:200]
         del cache, layout
-    ok = {c for c in configs if c not in failures and errors[c] < MAX_REL_ERR[dtype]
+    ok = {c for c in configs if c not in failures and errors[c] < 1.0
           and len(times[c]) == len(cases)}
     base = times[configs[0]]
     score = {c: sum(t / b for t, b in zip(times[c], base)) / len(cases) for c in ok}
     best = min(score, key=score.get) if score else configs[0]
-    ctx.tree_config = best
     return {"cases": [{"requests": r, "rows": n, "context": x} for r, n, x in cases],
             "configs": [{"config": dataclasses.asdict(c), "ms": times[c],
-                         "max_rel_err": errors[c], "correct": c in ok,
+                         "error_of_bound": errors[c], "correct": c in ok,
                          "mean_time_vs_default": score.get(c), "error": failures.get(c)}
                         for c in configs],
             "best": dataclasses.asdict(best), "default": dataclasses.asdict(configs[0])}
@@ -455,9 +469,9 @@ def section_gemlite(ctx) -> dict:
                    "bf16_eager_ms": ctx.clock.ms(lambda: F.linear(x, dense)),
                    "rel_err_vs_dequantized": err,
                    "w4a16_gbps": packed_bytes / t4 / 1e6, "bf16_gbps": 2 * n * k / t16 / 1e6}
-            if bw:
-                row["w4a16_of_d2d"] = row["w4a16_gbps"] / (bw / 2)
-                row["bf16_of_d2d"] = row["bf16_gbps"] / (bw / 2)
+            if bw:  # a linear's weight reads against the copy's read + write traffic
+                row["w4a16_of_d2d"] = row["w4a16_gbps"] / bw
+                row["bf16_of_d2d"] = row["bf16_gbps"] / bw
             rows_out.append(row)
         out["shapes"][name] = {"out_in": [n, k], "packed_mb": packed_bytes / 1e6,
                                "rows": rows_out}
@@ -505,24 +519,45 @@ def section_transfer(ctx) -> dict:
     out["pageable_ms"] = ctx.clock.wall_ms(lambda: gpu.copy_(pageable), reps=3)
     out["pageable_gbps"] = nbytes / out["pageable_ms"] / 1e6
     try:
+        gpu.zero_()
+        uva_read(host, gpu)
+        assert torch.equal(gpu.cpu(), host), "the UVA read copied wrong values"
         out["uva_read_ms"] = ctx.clock.wall_ms(lambda: uva_read(host, gpu))
         out["uva_read_gbps"] = nbytes / out["uva_read_ms"] / 1e6
         out["uva_efficiency"] = out["uva_read_gbps"] / out["pinned_gbps"]
-        assert torch.equal(gpu[:4096], host[:4096].to(dev)), "UVA read copied wrong values"
     except Exception as e:  # noqa: BLE001
         out["uva_error"] = f"{type(e).__name__}: {e}"[:300]
-    # overlap: the copy on a side stream while the default stream runs draft-like compute
-    # (4-bit linears at 8 rows, the tree width), sized to take about as long as the copy
+    # overlap: the copy on a side stream while the default stream replays draft-like compute
+    # from a CUDA graph (4-bit linears at 8 rows, the tree width; replayed, so the GPU and not
+    # the host's launches sets its time), sized by device time to about the copy's length
     qw = random_quantized(sh.hidden, sh.intermediate, dev)
     kernel = substitute_kernel(ctx, qw, torch.bfloat16)
     x = torch.randn(8, sh.intermediate, device=dev, dtype=torch.bfloat16)
-    one = ctx.clock.wall_ms(lambda: kernel(x))
-    calls = max(1, int(out["pinned_ms"] / max(one, 1e-3)))
     side = torch.cuda.Stream()
 
-    def compute():
-        for _ in range(calls):
-            kernel(x)
+    def captured(calls: int):
+        kernel(x)  # compiled and tuned before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                kernel(x)
+        return graph
+
+    def timed(fn) -> float:  # device ms on the default stream, by events
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    probe = captured(16)
+    probe.replay()
+    per_call = sorted(timed(probe.replay) for _ in range(5))[2] / 16
+    calls = max(1, int(out["pinned_ms"] / max(per_call, 1e-4)))
+    graph = captured(calls)
+    graph.replay()
 
     def copy():
         with torch.cuda.stream(side):
@@ -530,27 +565,25 @@ def section_transfer(ctx) -> dict:
 
     def both():
         copy()
-        compute()
+        graph.replay()
         torch.cuda.current_stream().wait_stream(side)
 
-    def compute_during_copy():  # the compute's own time on its stream, the copy beside it
+    def compute_during_copy():
         copy()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        compute()
-        end.record()
+        ms = timed(graph.replay)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        return start.elapsed_time(end)
+        return ms
 
     t_copy = ctx.clock.wall_ms(copy)
-    t_compute = ctx.clock.wall_ms(compute)
+    t_compute = sorted(timed(graph.replay) for _ in range(5))[2]
     t_both = ctx.clock.wall_ms(both)
     during = sorted(compute_during_copy() for _ in range(5))[2]
     out["overlap"] = {"compute_calls": calls, "copy_ms": t_copy, "compute_ms": t_compute,
                       "both_ms": t_both,
                       "hidden_fraction": (t_copy + t_compute - t_both) / min(t_copy, t_compute),
-                      "compute_ms_during_copy": during}
+                      "compute_ms_during_copy": during,
+                      "compute_slowdown_during_copy": during / t_compute}
     return out
 
 
@@ -684,13 +717,14 @@ def section_draft_pass(ctx) -> dict:
                     draft_pass()
                 torch.cuda.current_stream().wait_stream(side)
                 with torch.cuda.graph(graph):
-                    draft_pass()
+                    graph_top = draft_pass()  # the graph's own output tensors
                 row["graph_ms"] = ctx.clock.wall_ms(graph.replay)
                 row["graph_calls"] = runtime_calls_per_call(graph.replay, dev)
                 eager_top = draft_pass()[1].clone()
+                graph_top[1].fill_(-1)
                 graph.replay()
                 torch.cuda.synchronize()
-                row["graph_matches_eager"] = bool(torch.equal(static["top"][1], eager_top))
+                row["graph_matches_eager"] = bool(torch.equal(graph_top[1], eager_top))
             except Exception as e:  # noqa: BLE001
                 row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
         out["passes"].append(row)
@@ -777,10 +811,12 @@ def section_projection(ctx) -> dict:
             "sources": sources, "rows": rows}
 
 
+# the order they run in: the sweep last but the projection (it compiles ~50 kernels; what the
+# projection needs comes first, so a run cut short by --budget-s loses the sweep's tail only)
 SECTIONS = {"env": section_env, "tree_attention": section_tree_attention,
-            "tree_attention_configs": section_tree_attention_configs,
             "gemlite": section_gemlite, "transfer": section_transfer,
             "draft_pass": section_draft_pass, "hqq_build": section_hqq_build,
+            "tree_attention_configs": section_tree_attention_configs,
             "projection": section_projection}
 
 
@@ -852,7 +888,8 @@ def markdown(results: dict) -> str:
 def _tree_md(sec):
     lines = [f"Correct against the dense fp32 reference: **{'all' if sec['ok'] else 'NOT all'}"
              f"** ({len(sec['cases'])} cases, bf16 and fp16, unsplit and split; bounds "
-             f"{sec['max_rel_err']}). FlashAttention: {sec['flash_attn']}.", "",
+             f"{sec['max_rel_err']}, the worst (row, head) {sec.get('max_row_rel_err')}). "
+             f"FlashAttention: {sec['flash_attn']}.", "",
              "| dtype | context | requests | rows | splits | rel. err unsplit / split | "
              "Triton unsplit ms | Triton split ms | SDPA ms |", "|---|---|---|---|---|---|---|---|---|"]
     for c in sec["cases"]:
@@ -908,11 +945,11 @@ def _transfer_md(sec):
                      f" GB/s, {sec['uva_efficiency']:.2f} of the pinned copy.")
     else:
         lines.append(f"UVA read: failed ({sec.get('uva_error')}).")
-    lines.append(f"Copy on a second stream beside {o['compute_calls']} 4-bit linears: copy "
-                 f"{o['copy_ms']:.1f} ms, compute {o['compute_ms']:.1f} ms, both "
-                 f"{o['both_ms']:.1f} ms: {o['hidden_fraction']:.0%} of the shorter hidden; "
-                 f"the compute took {o['compute_ms_during_copy']:.1f} ms on its stream during "
-                 "the copy (events).")
+    lines.append(f"Copy on a second stream beside {o['compute_calls']} 4-bit linears replayed "
+                 f"from a CUDA graph: copy {o['copy_ms']:.1f} ms, compute {o['compute_ms']:.1f} "
+                 f"ms (events), both {o['both_ms']:.1f} ms: {o['hidden_fraction']:.0%} of the "
+                 f"shorter hidden; the compute took {o['compute_ms_during_copy']:.1f} ms during "
+                 f"the copy ({o['compute_slowdown_during_copy']:.2f}x alone).")
     return lines
 
 

@@ -72,7 +72,9 @@ def _layout(worker):
     stats = subspec_of(worker).session.stats
     return {
         "draft_steps": stats.draft_steps,
+        "plain_steps": stats.plain_steps,
         "draft_graph_passes": stats.draft_graph_passes,
+        "draft_graph_steps": stats.draft_graph_steps,
         "substituted": sorted(subs.layers),
         "offloaded": offloaded,
         "kernels": sorted({s.kernel.name for layer in subs.layers.values()
@@ -141,11 +143,15 @@ def test_greedy_lossless_with_offload(prompts, fp32_rescorer, offload, enforce_e
     assert 0.25 < layout["substitute_share"] < 0.32
     # drafts were accepted (random-looking drafts would give τ = 1) ...
     assert layout["tau"] > 1.0, layout
-    # ... and with CUDA graphs every drafting step replayed at least one captured draft pass
-    assert layout["draft_steps"] > 0
+    # ... and with CUDA graphs every step that drafted dispatched at least one draft pass to a
+    # captured graph (vLLM's CUDAGraphWrapper replays it; gpu_check's benchmark counts the
+    # replays themselves, cudaGraphLaunch, with torch.profiler)
+    drafting_steps = layout["draft_steps"] - layout["plain_steps"]
+    assert drafting_steps > 0
     if not enforce_eager:
-        assert layout["draft_graph_passes"] >= layout["draft_steps"], layout
+        assert layout["draft_graph_steps"] == drafting_steps, layout
     near_ties = assert_lossless(spec, plain, "bfloat16", fp32_rescorer, prompt_ids)
     print(f"{offload}/{method}: {len(prompts) - len(near_ties)}/{len(prompts)} identical, "
           f"near-ties {near_ties}, τ {layout['tau']:.2f}, draft graph passes "
-          f"{layout['draft_graph_passes']} in {layout['draft_steps']} drafting steps")
+          f"{layout['draft_graph_passes']} in {layout['draft_graph_steps']} of {drafting_steps} "
+          "drafting steps")

@@ -211,3 +211,31 @@ def test_call_profile_counts_per_drafting_step():
         torch.mul(x, 2)
     assert call_counts(prof.events(), ("aten::add", "aten::mul", "aten::sub")) == \
         {"aten::add": 6, "aten::mul": 1, "aten::sub": 0}
+
+
+def test_the_pinned_kv_cache_passes_vllms_own_full_length_check():
+    """vLLM keeps one block back before it checks that a full-length request fits
+    (`get_kv_cache_configs`, run here on the benchmark's Qwen2.5-7B shape): exactly
+    max_model_len tokens of cache is refused, the benchmark's pinned bytes are not."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from benchmarks.gpu_offload import kv_cache_bytes, kv_tokens, random_qwen_7b
+
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    except ImportError:  # 0.33 moved it
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs
+    model = random_qwen_7b()
+    shape = ModelShape.of(model)
+    pinned = kv_cache_bytes(shape, kv_tokens(4096, 4))
+    config = EngineArgs(model=model, max_model_len=4096, max_num_seqs=4,
+                        max_num_batched_tokens=2048, skip_tokenizer_init=True,
+                        load_format="dummy", dtype="bfloat16",
+                        kv_cache_memory_bytes=pinned).create_engine_config()
+    config.cache_config.kv_cache_layout = "NHD"  # what the engine core resolves (any will do)
+    spec = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+        block_size=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16) for i in range(28)}
+    assert get_kv_cache_configs(config, [spec], [pinned])[0].num_blocks >= 4096 // 16 + 1
+    with pytest.raises(ValueError, match="max seq len"):
+        get_kv_cache_configs(config, [spec], [int(shape.kv_gb(4096) * 1e9)])

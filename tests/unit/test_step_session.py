@@ -450,3 +450,34 @@ def test_node_hidden_is_kept_per_node_also_for_requests_that_dropped_out():
             depth = 0 if node == 0 else (node - 1) // 2 + 1
             ran = depth < draft.reached[i]  # a pass ran from this node
             assert hidden[i, node, 0] == (tokens[i, node] if ran else 0), (i, node)
+
+
+def test_each_step_reaches_the_tuner_with_its_tokens_and_wall_time():
+    """The measured rates' input (`ShapeTuner.observe_step`): at each proposal, the step before
+    it, from its own proposal's start: drafted or not, its requests, the tokens its verify
+    emitted (a plain step: one a request), and its wall time; nothing across an idle gap."""
+    options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
+    tuner = ShapeTuner(options.widths, 3, options.auto_width, options.auto_depth)
+    seen = []
+    tuner.observe_step = lambda *args: seen.append(args)
+    clock = FakeClock()
+    session = StepSession(options, tuner, clock=clock)
+    first = run_step(session, [5, 20], [3, 8], options.num_draft_tokens)
+    assert seen == [] and any(first.drafts)  # no step before the first
+    start = session._step[0]
+    tokens = sum(len(emitted(first.walk, i)) for i in range(2))
+    clock.now += 0.5  # the rest of the step
+    run_step(session, [5 + tokens, 20], [3, 8], options.num_draft_tokens)
+    (drafted, batch, got, seconds), = seen
+    assert drafted and batch == 2 and got == tokens
+    assert seconds == pytest.approx(session._step[0] - start - 0.0, abs=0.011)
+    # a plain step (nothing drafted) counts one token a request
+    session._step, session._step_tokens = (clock.now, False, 2), None
+    clock.now += 0.2
+    session._close_step(clock())
+    assert seen[-1][:3] == (False, 2, 2) and seen[-1][3] == pytest.approx(0.21)
+    # after an idle engine nothing is observed
+    session._step = (clock.now, False, 2)
+    clock.now += 60.0
+    session._close_step(clock())
+    assert len(seen) == 2

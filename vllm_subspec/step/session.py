@@ -47,7 +47,10 @@ class StepStats:
     draft_steps: int = 0  # proposals (steps that asked the drafter)
     plain_steps: int = 0  # proposals that drafted nothing: plain decoding predicted faster
     draft_passes: int = 0  # draft forwards
-    draft_graph_passes: int = 0  # of those, dispatched to a captured CUDA-graph bucket
+    # of those, dispatched to a captured CUDA-graph bucket (vLLM's CUDAGraphWrapper replays
+    # them; a dispatch, not a counted replay), and the steps with at least one
+    draft_graph_passes: int = 0
+    draft_graph_steps: int = 0
     # wall time in `propose`; for a chain on a device the host's time (the stream is not waited
     # for: a chain's drafts stay on the device, vLLM consumes them in stream order)
     draft_seconds: float = 0.0
@@ -91,6 +94,10 @@ class StepSession:
         self._verify_start: float | None = None
         self._verify_seconds: float | None = None  # the last tree verify's, for the tuner
         self._last_draft_end: float | None = None
+        # the step in progress, for the tuner's measured rates: (its proposal's start, drafted,
+        # requests) and the tokens its verify emitted (None: no tree verified in it)
+        self._step: tuple[float, bool, int] | None = None
+        self._step_tokens: int | None = None
 
     @classmethod
     def from_options(cls, options: SubSpecOptions) -> StepSession:
@@ -112,6 +119,8 @@ class StepSession:
         they are drafted with the others, and handed to vLLM as their tree's best path, a
         chain that vLLM's per-position rules (a grammar's masks) apply to exactly."""
         start = self.clock()
+        self._close_step(start)
+        graph_passes = self.stats.draft_graph_passes
         if not self.options.is_tree:
             chain = draft_chain(passes, next_token_ids, num_speculative_tokens,
                                 self.options.draft_lm_heads[0])
@@ -126,7 +135,9 @@ class StepSession:
         # auto shape's tuner too, and a chain's drafts are consumed on the stream
         end = self.clock()
         self._clock_rest_of_step(start, end)
+        self._step = (start, num_passes > 0, len(req_ids))
         self.stats.draft_steps += 1
+        self.stats.draft_graph_steps += self.stats.draft_graph_passes > graph_passes
         self.stats.draft_passes += num_passes
         self.stats.draft_seconds += end - start
         return drafts
@@ -184,6 +195,17 @@ class StepSession:
                   for i, t in enumerate(stored)]
         self.pending = dict(zip(req_ids, stored))
         return stored
+
+    def _close_step(self, now: float) -> None:
+        """The last step ran from its proposal to this one: its tokens and wall time go to the
+        tuner's measured rates (not across an idle engine). A plain step emitted one token per
+        request; a drafting step what its verify emitted."""
+        step, tokens, self._step, self._step_tokens = self._step, self._step_tokens, None, None
+        if self.tuner is None or step is None or now - step[0] >= IDLE_GAP_SECONDS:
+            return
+        started, drafted, batch = step
+        self.tuner.observe_step(drafted, batch, tokens if drafted and tokens else batch,
+                                now - started)
 
     def _clock_rest_of_step(self, start: float, end: float) -> None:
         """The tuner's "rest of a step": from the end of the last draft to this one's start,
@@ -258,6 +280,8 @@ class StepSession:
         drafted = [(v, path, n, emitted) for v, path, n, emitted
                    in zip(trees, walk.paths, num_draft, walk.tokens) if v is not None and v.compact]
         self.stats.verified_trees += len(drafted)
+        # every request's emitted tokens: its accepted path and the bonus (from the host walk)
+        self._step_tokens = sum(len(p) + 1 for p in walk.paths)
         # the tuner learns from the trees of its shape (a chain-only request's best path is not)
         drafted = [(v, p, n, e) for v, p, n, e in drafted if v.tree.level_log_mass]
         if self.tuner is not None:

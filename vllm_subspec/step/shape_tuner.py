@@ -16,6 +16,7 @@ import torch
 
 from vllm_subspec.step.linear_cost import DECAY, LinearCost
 from vllm_subspec.step.lm_head_choice import LmHeadChoice
+from vllm_subspec.step.rate_guard import RateGuard
 from vllm_subspec.step.tree import TreeShape
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
@@ -26,6 +27,12 @@ REEXPLORE_EVERY = 8  # every n-th choice period has one step of the least-recent
 FULL_DEPTH_EVERY = 16  # every n-th step drafts past D_max: observations past the usual stop
 MAX_PROBE_EVERY = 512  # while plain decoding keeps winning, probe steps back off to this
 HEAD_SWITCH_GAIN = 1.02  # another head must be predicted this much faster: no flapping on noise
+# rows (requests x width x depth) an exploration step (a width's first trees, a look past the
+# usual depth) drafts at most while costs are unmeasured, one depth at least: on a CPU a verify
+# costs in proportion to its rows, so exploring at full depth with 32 requests (32 x 6 x 48
+# rows) would stall a burst
+EXPLORE_ROWS = 192
+EXPLORE_COST = 4.0  # ... and, once costs are measured, costs at most this many plain steps
 
 
 class MassCalibration:
@@ -157,10 +164,17 @@ class ShapeTuner:
         # chosen), so a workload where drafting never pays pays for ever fewer probes
         self.probe_every = RECHOOSE_EVERY
         self.next_probe = 0
+        # the rates drafting and plain steps reach as they run: where both are measured at a
+        # batch size, they decide between drafting and plain decoding instead of the model
+        self.guard = RateGuard()
+        self.measure_rates = costs is None  # given costs decide alone (`use_costs`)
+        self._exploring = False  # the last planned step explores (`plan_step`)
 
     def use_costs(self, costs: StepCosts) -> None:
-        """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark)."""
+        """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark),
+        and with them alone: this engine's measured rates no longer overrule them."""
         self.costs = costs
+        self.measure_rates = False
 
     @property
     def lm_head(self) -> str | None:
@@ -182,6 +196,10 @@ class ShapeTuner:
     # ---- across steps: the shape ---------------------------------------------------------
     def plan_step(self, batch_size: int) -> StepPlan:
         plan = self._plan_shape(batch_size)
+        # exploration drafts off the chosen shape on purpose: its rate is not counted
+        self._exploring = self.auto_depth and plan.shape.depth > 0 and (
+            plan.full_depth or (self.auto_width
+                                and self.acceptance[plan.shape.width].steps < EXPLORE_STEPS))
         plan.lm_head = self.lm_head
         if plan.shape.depth > 0 and self.lm_heads is not None:
             plan.compare_lm_heads = self.lm_heads.compare_this_step()
@@ -191,8 +209,9 @@ class ShapeTuner:
         self.steps += 1
         if self.auto_width or self.auto_depth:
             unexplored = [w for w in self.widths if self.acceptance[w].steps < EXPLORE_STEPS]
-            if self.auto_width and unexplored:
-                self.width, self.depth = max(unexplored), self.max_depth  # widest first
+            if self.auto_width and unexplored:  # widest first, within EXPLORE_ROWS
+                self.width = max(unexplored)
+                self.depth = self._explore_depth(self.width, self.max_depth, batch_size)
             elif self.steps % RECHOOSE_EVERY == 1 or unexplored:
                 self._choose(batch_size)
             elif (self.auto_width and self.depth != 0
@@ -209,16 +228,35 @@ class ShapeTuner:
             width, depth = self.drafting
             self.last_run[width] = self.steps
             return StepPlan(TreeShape(width, depth), True, False)
+        if self.auto_depth and self.measure_rates and \
+                self.guard.wants_plain_probe(batch_size, self.steps):
+            return StepPlan(TreeShape(self.width, 0), False, False)  # plain's rate, measured
         self.last_run[self.width] = self.steps
         if not self.auto_depth:
             return StepPlan(TreeShape(self.width, self.depth), False, True)
         if self.steps % FULL_DEPTH_EVERY == 0:  # a look past the usual depth, not too costly
             deeper = min(self.max_depth, max(2 * self.depth, self.depth + 4))
+            deeper = max(self.depth, self._explore_depth(self.width, deeper, batch_size))
             return StepPlan(TreeShape(self.width, deeper), True, True)
         # a width's first tree goes to full depth (the calibration's first look); after that
         # the adaptive stop runs on what has been measured (full-depth trees are costly on CPU)
         full = self.acceptance[self.width].steps < 1
-        return StepPlan(TreeShape(self.width, self.depth), True, full)
+        depth = self._explore_depth(self.width, self.depth, batch_size) if full else self.depth
+        return StepPlan(TreeShape(self.width, depth), True, full)
+
+    def _explore_depth(self, width: int, depth: int, batch_size: int) -> int:
+        """`depth`, capped so that an exploration step is predicted to take at most
+        EXPLORE_COST plain steps (where rows are nearly free, as with offloading, it stays
+        deep); while costs are unmeasured, so that it drafts at most EXPLORE_ROWS rows."""
+        plain = self.guard.rate(False, batch_size) or self.plain_rate(batch_size)
+        if not plain or not self.verify[width].known:
+            return max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
+        budget = EXPLORE_COST * batch_size / plain
+        rows = batch_size * width
+        while depth > 1 and self.step_seconds(width, batch_size, depth - 1, (depth - 1) * rows,
+                                              depth * rows) > budget:
+            depth -= 1
+        return depth
 
     def predicted_rate(self, width: int, depth: int, batch_size: int,
                        reach: list[float], head: str | None = None) -> float:
@@ -262,6 +300,11 @@ class ShapeTuner:
             self._switch_head(head)
         plain = self.plain_rate(batch_size)
         self.drafting = best
+        # measured rates overrule the model where both kinds of step have run at this batch
+        # size (the model predicts a step from fitted pass costs; the guard times whole steps)
+        measured = self.guard.verdict(batch_size) if self.measure_rates else None
+        if measured is not None:
+            plain, rate = self.guard.rate(False, batch_size), self.guard.rate(True, batch_size)
         if self.auto_depth and plain > rate:
             best = (best[0], 0)
             if self.depth != 0:  # newly plain: the first probe one period from now
@@ -378,6 +421,14 @@ class ShapeTuner:
 
     def observe_other(self, seconds: float) -> None:
         self.other.add(0, max(seconds, 0.0))
+
+    def observe_step(self, drafted: bool, batch_size: int, tokens: int, seconds: float) -> None:
+        """A whole engine step as it ran (`RateGuard.add`): drafted or plain, its requests,
+        the tokens they emitted, its wall time from one proposal to the next. Called before
+        the next step is planned; an exploration step's rate is not counted."""
+        if drafted and self._exploring:
+            return
+        self.guard.add(drafted, batch_size, tokens, seconds)
 
     def observe_tree(self, width: int, level_log_mass: list[float], accepted: int,
                      verified_depth: int) -> None:

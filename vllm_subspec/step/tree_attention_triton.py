@@ -35,6 +35,12 @@ class KernelConfig:
     # whole prefix tiles in a loop of their own that reads no tree mask and checks no bound
     prefix_phase: bool = False
 
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):  # tl.arange and tl.dot need powers of two >= 16
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, not {value}")
+
     def warps(self, head_dim: int) -> int:
         return self.num_warps or (8 if head_dim >= 128 else 4)
 

@@ -1,0 +1,68 @@
+"""Never slower than plain: the tokens/s that drafting steps and plain steps actually reach on
+this engine, per batch size, measured as they run. The shape tuner's cost model predicts rates
+from fitted pass costs; this is the measurement it answers to (`ShapeTuner._choose`: where
+both are measured, they decide between drafting and plain decoding).
+
+Design: docs/shape_tuner.md, "Measured rates".
+"""
+
+from __future__ import annotations
+
+RATE_DECAY = 0.9  # per observation of a (kind of step, batch bucket): the last ~10 steps
+# observations before a rate counts (plain, drafting): drafting's must outlast the tuner's
+# first calibration, so a rate from shapes chosen on too little evidence does not decide
+MIN_STEPS = {False: 2, True: 8}
+PLAIN_PROBE_EVERY = 32  # while drafting, one plain step in this many keeps plain's rate current
+# ... one in this many where drafting measures this many times plain's rate (with offloading a
+# plain step costs about a whole drafting step: each probe gives up most of a step's tokens)
+PLAIN_PROBE_EVERY_FAR, FAR_AHEAD = 512, 1.5
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes compared together: 1, 2, 4, 8, ... (each the power of two at or above)."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+class RateGuard:
+    """Decayed tokens / seconds of whole engine steps (drafting, verifying and the rest), kept
+    apart for drafting steps and plain steps and per `batch_bucket`."""
+
+    def __init__(self, decay: float = RATE_DECAY):
+        self.decay = decay
+        self.tokens: dict[tuple[bool, int], float] = {}
+        self.seconds: dict[tuple[bool, int], float] = {}
+        self.steps: dict[tuple[bool, int], float] = {}
+
+    def add(self, drafted: bool, batch_size: int, tokens: int, seconds: float) -> None:
+        """One step: `tokens` emitted for `batch_size` requests in `seconds` of wall time."""
+        if seconds <= 0 or batch_size <= 0:
+            return
+        key = (drafted, batch_bucket(batch_size))
+        d = self.decay
+        self.tokens[key] = d * self.tokens.get(key, 0.0) + tokens
+        self.seconds[key] = d * self.seconds.get(key, 0.0) + seconds
+        self.steps[key] = self.steps.get(key, 0.0) + 1.0
+
+    def rate(self, drafted: bool, batch_size: int) -> float | None:
+        """Measured tokens/s of that kind of step at this batch size; None until measured."""
+        key = (drafted, batch_bucket(batch_size))
+        if self.steps.get(key, 0.0) < MIN_STEPS[drafted]:
+            return None
+        return self.tokens[key] / self.seconds[key]
+
+    def verdict(self, batch_size: int) -> bool | None:
+        """True: drafting measured faster than plain at this batch size; False: slower; None:
+        one of the two not measured yet."""
+        draft, plain = self.rate(True, batch_size), self.rate(False, batch_size)
+        if draft is None or plain is None:
+            return None
+        return draft > plain
+
+    def wants_plain_probe(self, batch_size: int, step: int) -> bool:
+        """Whether this drafting step should run plain instead, to keep plain's rate current:
+        one step in PLAIN_PROBE_EVERY, in PLAIN_PROBE_EVERY_FAR where drafting is measured
+        FAR_AHEAD of plain."""
+        draft, plain = self.rate(True, batch_size), self.rate(False, batch_size)
+        far = draft is not None and plain is not None and draft > FAR_AHEAD * plain
+        every = PLAIN_PROBE_EVERY_FAR if far else PLAIN_PROBE_EVERY
+        return step % every == every // 2
