@@ -134,6 +134,47 @@ def run(model, prompts, params, spec, args) -> dict:
     }
 
 
+def stream_gbps(megabytes: int = 512, reps: int = 5) -> float:
+    """This core's memory bandwidth: one thread copying a buffer far larger than the caches,
+    bytes read + written per second (the best of `reps`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(megabytes << 18, dtype=torch.float32)  # megabytes MB
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+        return 2 * src.nbytes / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bf16_peak_gflops(n: int = 2048, rows: int = 256, reps: int = 3) -> float:
+    """This core's bf16 matmul rate: [rows, n] @ [n, n] on one thread, GFLOP/s (best of
+    `reps`; the weight stays in cache, so this is the compute roof)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(rows, n).to(torch.bfloat16)
+        w = torch.randn(n, n).to(torch.bfloat16)
+        torch.nn.functional.linear(x, w)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+        return 2 * rows * n * n / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
 def kv_kwargs(args) -> dict:
     gb = getattr(args, "kv_cache_gb", None)
     return {"kv_cache_memory_bytes": int(gb * 2**30)} if gb else {}

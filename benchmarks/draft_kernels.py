@@ -24,7 +24,7 @@ import json
 import sys
 import time
 
-from benchmarks.depth_sweep import RESULTS, environment
+from benchmarks.depth_sweep import RESULTS, bf16_peak_gflops, environment, stream_gbps
 
 SHAPES = {  # name -> (hidden, intermediate, q heads, kv heads, head dim, vocab, layers)
     "qwen-coder-1.5b": (1536, 8960, 12, 2, 128, 151936, 28),
@@ -86,6 +86,14 @@ def main():
             for kind in kinds:
                 passes[kind].append((name, built[kind]))
             del w
+    # the roofline: what one core can stream and compute (measured in this run)
+    roof = {"stream_gbps": stream_gbps(), "bf16_gflops": bf16_peak_gflops()}
+    params = sum(n * k * (1 if name == "lm_head" else layers)
+                 for name, (n, k) in shapes.items())
+    # bytes a pass streams: bf16 weights, or 4-bit codes + bf16 scale and zero per 64
+    pass_bytes = {kind: params * (2 if kind == "bf16" else 4.5 / 8) for kind in kinds}
+    print(f"roofline: {roof['stream_gbps']:.1f} GB/s, {roof['bf16_gflops']:.0f} GFLOP/s",
+          flush=True)
     per_pass: dict[int, dict[str, float]] = {}
     for m in args.rows:
         x = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in {k for _, k in shapes.values()}}
@@ -102,7 +110,8 @@ def main():
     report = {"command": "python -m benchmarks.draft_kernels " + " ".join(sys.argv[1:]),
               "model": args.model, "environment": environment(), "kinds": kinds,
               "default_kernel": type(passes["default"][0][1]).__name__,
-              "dense_from_rows": dense_from, "per_pass": per_pass}
+              "dense_from_rows": dense_from, "per_pass": per_pass, "roofline": roof,
+              "params": params}
     out = RESULTS / args.name
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     ms = lambda p, kind: 1e3 * (p[kind] + p[kind + "_lm_head"])  # noqa: E731
@@ -122,6 +131,24 @@ def main():
         lines.append(f"| {m} | " + " | ".join(
             f"{ms(p, kind):.1f} ({1e3 * p[kind + '_lm_head']:.1f})" for kind in kinds) + " | "
             + " | ".join(f"{ms(p, kind) / ms(p, 'bf16'):.2f}" for kind in draft) + " |")
+    # each kind's achieved rates beside the roofline: a pass that streams at about the core's
+    # bandwidth is memory-bound; one whose GFLOP/s nears the bf16 rate is compute-bound (more
+    # rows then cost in proportion: the shapes the tuner should not explore)
+    lines += ["", f"Roofline (this run, one core): memory {roof['stream_gbps']:.1f} GB/s "
+              f"(a copy, read + written), bf16 matmul {roof['bf16_gflops']:.0f} GFLOP/s. "
+              "Per pass, each kind's GB/s of weights streamed and GFLOP/s:", "",
+              "| rows | " + " | ".join(f"{kind} GB/s, GFLOP/s" for kind in kinds)
+              + " | bound (default) |", "|---|" + "---|" * (len(kinds) + 1)]
+    for m, p in per_pass.items():
+        cells, bound = [], ""
+        for kind in kinds:
+            seconds = p[kind] + p[kind + "_lm_head"]
+            gbps, gflops = pass_bytes[kind] / seconds / 1e9, 2 * m * params / seconds / 1e9
+            cells.append(f"{gbps:.1f}, {gflops:.0f}")
+            if kind == "default":
+                bound = ("compute" if gflops > 0.5 * roof["bf16_gflops"] else
+                         "memory" if gbps > 0.5 * roof["stream_gbps"] else "neither (overhead)")
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {bound} |")
     if "dot" in kinds:
         lines += ["", "dot / tinygemm per pass: " + ", ".join(
             f"{m} rows {ms(p, 'dot') / ms(p, 'tinygemm'):.2f}" for m, p in per_pass.items())]

@@ -14,7 +14,6 @@ import torch
 from vllm_subspec.step.linear_cost import LinearCost
 from vllm_subspec.step.lm_head_choice import COMPARE_EVERY, COMPARE_UNTIL, LmHeadComparison
 from vllm_subspec.step.shape_tuner import (
-    EXPLORE_ROWS,
     EXPLORE_STEPS,
     MassCalibration,
     ShapeTuner,
@@ -228,7 +227,11 @@ def test_auto_drafts_nothing_where_plain_decoding_is_faster(batch_size):
     probes = [i for i, (_, _, passes) in enumerate(steps) if passes > 0]
     # probe steps back off while plain keeps winning: 16, 32, 64, ... steps apart, up to 512
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(gaps) >= 2 and all(b >= min(2 * a, 512) for a, b in zip(gaps, gaps[1:])), probes
+    # (a probe the loss budget cannot afford, `_explore_depth` 0, is skipped: gaps can double
+    # more than once)
+    assert len(gaps) >= 2 and all(b >= min(2 * a, 512) or b >= 256 for a, b in
+                                  zip(gaps, gaps[1:])), probes
+    assert len(probes) <= 10, probes
     rate = sum(t for t, _, _ in steps[500:]) / sum(s for _, s, _ in steps[500:])
     assert tuner.depth == 0
     assert rate >= 0.97 * world.plain_rate(batch_size), (rate, world.plain_rate(batch_size))
@@ -240,6 +243,9 @@ def test_auto_drafts_nothing_where_plain_decoding_is_faster(batch_size):
 def test_every_width_is_explored_first_widest_first():
     world = World({1: 0.8, 2: 0.85, 4: 0.9, 6: 0.9})
     tuner = ShapeTuner((1, 2, 4, 6), 16, auto_width=True, auto_depth=True)
+    for _ in range(2):  # plain first: its rate is what drafting must beat
+        assert tuner.plan_step(1).shape.depth == 0
+        tuner.observe_step(False, 1, 1, 0.1)
     widths = []
     for _ in range(4 * EXPLORE_STEPS):
         widths.append(tuner.plan_step(1).shape.width)
@@ -542,15 +548,14 @@ def test_the_model_alone_would_have_drafted_where_plain_wins():
     assert tuner.depth == 0
 
 
-def test_exploration_drafts_a_bounded_number_of_rows_at_any_batch_size():
-    """A width's first full-depth tree and the periodic deeper look draft at most EXPLORE_ROWS
-    rows (one depth at least): 32 requests do not explore 32 x 6 x 32 rows."""
+def test_no_exploration_step_stalls_a_burst_at_any_batch_size():
+    """Exploration steps are capped (rows while costs are unmeasured, then EXPLORE_COST plain
+    steps' predicted time, none where one depth costs more): on the SmolLM2 cost table, where
+    a verify costs in proportion to its rows, no step of the first 200 takes more than 12
+    plain steps at 1, 8 or 32 requests (unbounded, 32 x 6 x 32 rows took ~240)."""
     for batch_size in (1, 8, 32):
+        world = World(**MACHINES["smollm2, fast memory"], seed=1)
         tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
-        world = World({1: 0.8, 2: 0.85, 4: 0.9, 6: 0.9}, seed=1)
-        for _ in range(100):
-            plan = tuner.plan_step(batch_size)
-            if plan.full_depth:
-                rows = batch_size * plan.shape.width * plan.shape.depth
-                assert rows <= max(EXPLORE_ROWS, batch_size * plan.shape.width), plan
-            world.step(tuner, batch_size)
+        plain_step = world.t_plain(batch_size)
+        worst = max(world.step(tuner, batch_size)[1] for _ in range(200))
+        assert worst <= 12 * plain_step, (batch_size, worst / plain_step)

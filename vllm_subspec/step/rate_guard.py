@@ -12,6 +12,8 @@ RATE_DECAY = 0.9  # per observation of a (kind of step, batch bucket): the last 
 # observations before a rate counts (plain, drafting): drafting's must outlast the tuner's
 # first calibration, so a rate from shapes chosen on too little evidence does not decide
 MIN_STEPS = {False: 2, True: 8}
+# ... but drafting measured this far below plain over this many steps already loses
+CLEAR_LOSS, CLEAR_LOSS_STEPS = 0.7, 3
 PLAIN_PROBE_EVERY = 32  # while drafting, one plain step in this many keeps plain's rate current
 # ... one in this many where drafting measures this many times plain's rate (with offloading a
 # plain step costs about a whole drafting step: each probe gives up most of a step's tokens)
@@ -33,11 +35,13 @@ class RateGuard:
         self.seconds: dict[tuple[bool, int], float] = {}
         self.steps: dict[tuple[bool, int], float] = {}
 
-    def add(self, drafted: bool, batch_size: int, tokens: int, seconds: float) -> None:
-        """One step: `tokens` emitted for `batch_size` requests in `seconds` of wall time."""
+    def add(self, drafted: bool, batch_size: int, tokens: int, seconds: float,
+            exploring: bool = False) -> None:
+        """One step: `tokens` emitted for `batch_size` requests in `seconds` of wall time
+        (exploring: an exploration step, kept apart from the chosen shapes' drafting)."""
         if seconds <= 0 or batch_size <= 0:
             return
-        key = (drafted, batch_bucket(batch_size))
+        key = ("explore" if exploring else drafted, batch_bucket(batch_size))
         d = self.decay
         self.tokens[key] = d * self.tokens.get(key, 0.0) + tokens
         self.seconds[key] = d * self.seconds.get(key, 0.0) + seconds
@@ -54,9 +58,24 @@ class RateGuard:
         """True: drafting measured faster than plain at this batch size; False: slower; None:
         one of the two not measured yet."""
         draft, plain = self.rate(True, batch_size), self.rate(False, batch_size)
-        if draft is None or plain is None:
+        if plain is None:
+            return None
+        if draft is None:  # a clear loss need not wait for MIN_STEPS
+            key = (True, batch_bucket(batch_size))
+            if self.steps.get(key, 0.0) >= CLEAR_LOSS_STEPS and \
+                    self.tokens[key] / self.seconds[key] < CLEAR_LOSS * plain:
+                return False
             return None
         return draft > plain
+
+    def exploration_loses(self, batch_size: int) -> bool:
+        """Whether the exploration steps so far at this batch size emitted under CLEAR_LOSS
+        x plain's rate (over CLEAR_LOSS_STEPS of them at least): exploring more widths would
+        only cost more."""
+        plain = self.rate(False, batch_size)
+        key = ("explore", batch_bucket(batch_size))
+        return plain is not None and self.steps.get(key, 0.0) >= CLEAR_LOSS_STEPS and \
+            self.tokens[key] / self.seconds[key] < CLEAR_LOSS * plain
 
     def wants_plain_probe(self, batch_size: int, step: int) -> bool:
         """Whether this drafting step should run plain instead, to keep plain's rate current:

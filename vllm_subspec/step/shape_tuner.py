@@ -31,8 +31,8 @@ HEAD_SWITCH_GAIN = 1.02  # another head must be predicted this much faster: no f
 # usual depth) drafts at most while costs are unmeasured, one depth at least: on a CPU a verify
 # costs in proportion to its rows, so exploring at full depth with 32 requests (32 x 6 x 48
 # rows) would stall a burst
-EXPLORE_ROWS = 192
-EXPLORE_COST = 4.0  # ... and, once costs are measured, costs at most this many plain steps
+EXPLORE_ROWS = 24
+EXPLORE_COST = 3.0  # ... and, once costs are measured, costs at most this many plain steps
 
 
 class MassCalibration:
@@ -195,11 +195,8 @@ class ShapeTuner:
 
     # ---- across steps: the shape ---------------------------------------------------------
     def plan_step(self, batch_size: int) -> StepPlan:
+        self._exploring = False  # `_plan_shape` sets it for the exploration steps it plans
         plan = self._plan_shape(batch_size)
-        # exploration drafts off the chosen shape on purpose: its rate is not counted
-        self._exploring = self.auto_depth and plan.shape.depth > 0 and (
-            plan.full_depth or (self.auto_width
-                                and self.acceptance[plan.shape.width].steps < EXPLORE_STEPS))
         plan.lm_head = self.lm_head
         if plan.shape.depth > 0 and self.lm_heads is not None:
             plan.compare_lm_heads = self.lm_heads.compare_this_step()
@@ -207,11 +204,22 @@ class ShapeTuner:
 
     def _plan_shape(self, batch_size: int) -> StepPlan:
         self.steps += 1
+        if self.auto_depth and self.measure_rates:
+            if self.guard.rate(False, batch_size) is None:
+                # plain first at each batch size: its rate is what drafting must beat
+                return StepPlan(TreeShape(self.width, 0), False, False)
+            if self.depth != 0 and self.guard.verdict(batch_size) is False:
+                self._choose(batch_size)  # measured to lose: plain now, not at the next choice
         if self.auto_width or self.auto_depth:
             unexplored = [w for w in self.widths if self.acceptance[w].steps < EXPLORE_STEPS]
-            if self.auto_width and unexplored:  # widest first, within EXPLORE_ROWS
-                self.width = max(unexplored)
-                self.depth = self._explore_depth(self.width, self.max_depth, batch_size)
+            explore_depth = 0 if not (self.auto_width and unexplored) else \
+                self._explore_depth(max(unexplored), self.max_depth, batch_size) \
+                if self.auto_depth else self.max_depth  # a fixed depth is never changed
+            if explore_depth and not (self.measure_rates
+                                      and self.guard.exploration_loses(batch_size)):
+                # widest first (capped: `_explore_depth`), while exploring has not clearly lost
+                self.width, self.depth = max(unexplored), explore_depth
+                self._exploring = self.auto_depth  # (kept apart from the chosen shapes' rate)
             elif self.steps % RECHOOSE_EVERY == 1 or unexplored:
                 self._choose(batch_size)
             elif (self.auto_width and self.depth != 0
@@ -219,6 +227,7 @@ class ShapeTuner:
                 # one step of the least recently run width keeps its statistics current
                 stale = min(self.widths, key=lambda w: self.last_run[w])
                 self.last_run[stale] = self.steps
+                self._exploring = self.auto_depth
                 return StepPlan(TreeShape(stale, self.drafting[1]), self.auto_depth, True)
         if self.depth == 0:  # plain decoding is faster: draft only in probe steps
             if self.steps < self.next_probe:
@@ -226,6 +235,10 @@ class ShapeTuner:
             self.next_probe = self.steps + self.probe_every
             self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
             width, depth = self.drafting
+            if self.measure_rates:  # a probe costs at most EXPLORE_COST plain steps
+                depth = self._explore_depth(width, depth, batch_size)
+                if depth == 0:
+                    return StepPlan(TreeShape(self.width, 0), False, False)
             self.last_run[width] = self.steps
             return StepPlan(TreeShape(width, depth), True, False)
         if self.auto_depth and self.measure_rates and \
@@ -237,26 +250,51 @@ class ShapeTuner:
         if self.steps % FULL_DEPTH_EVERY == 0:  # a look past the usual depth, not too costly
             deeper = min(self.max_depth, max(2 * self.depth, self.depth + 4))
             deeper = max(self.depth, self._explore_depth(self.width, deeper, batch_size))
+            self._exploring = True
             return StepPlan(TreeShape(self.width, deeper), True, True)
         # a width's first tree goes to full depth (the calibration's first look); after that
         # the adaptive stop runs on what has been measured (full-depth trees are costly on CPU)
         full = self.acceptance[self.width].steps < 1
         depth = self._explore_depth(self.width, self.depth, batch_size) if full else self.depth
+        if depth == 0:  # not even one depth is affordable as exploration: a regular step
+            full, depth = False, self.depth
+        if not full and not (self.draft_pass[self.width].known
+                             and self.verify[self.width].known):
+            # the adaptive stop weighs costs this width has not measured yet: capped rows
+            depth = max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * self.width)))
+        self._exploring = full or self._exploring
         return StepPlan(TreeShape(self.width, depth), True, full)
 
     def _explore_depth(self, width: int, depth: int, batch_size: int) -> int:
-        """`depth`, capped so that an exploration step is predicted to take at most
+        """`depth`, capped so that an exploration or probe step is predicted to take at most
         EXPLORE_COST plain steps (where rows are nearly free, as with offloading, it stays
-        deep); while costs are unmeasured, so that it drafts at most EXPLORE_ROWS rows."""
+        deep; 0 where one depth already costs more); while costs are unmeasured, so that it
+        drafts at most EXPLORE_ROWS rows."""
         plain = self.guard.rate(False, batch_size) or self.plain_rate(batch_size)
-        if not plain or not self.verify[width].known:
+        # a width not yet run is costed like the widest one that has (its rows cost as much)
+        known = [w for w in self.widths if self.verify[w].known]
+        if not plain or not known:
             return max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
+        if self.measure_rates and self._step_seconds_like(
+                width if width in known else max(known), batch_size, 0, 0,
+                batch_size * width) > EXPLORE_COST * batch_size / plain:
+            return 0  # one depth alone costs more than the budget: do not explore it now
+        like = width if width in known else max(known)
         budget = EXPLORE_COST * batch_size / plain
         rows = batch_size * width
-        while depth > 1 and self.step_seconds(width, batch_size, depth - 1, (depth - 1) * rows,
-                                              depth * rows) > budget:
+        while depth > 1 and self._step_seconds_like(like, batch_size, depth - 1,
+                                                    (depth - 1) * rows, depth * rows) > budget:
             depth -= 1
         return depth
+
+    def _step_seconds_like(self, like: int, batch_size: int, passes: int, pass_rows: int,
+                           nodes: int) -> float:
+        """`step_seconds` with width `like`'s costs (for a width not measured yet; passes
+        over more rows than the root's cost, where no later pass was timed, like the root's)."""
+        pass_cost = self.draft_pass[like] if self.draft_pass[like].known else self.draft_pass[0]
+        later = passes * pass_cost(pass_rows / passes) if passes else 0.0
+        return self.other(0) + self.draft_pass[0](batch_size) + later \
+            + self.verify[like](batch_size + nodes)
 
     def predicted_rate(self, width: int, depth: int, batch_size: int,
                        reach: list[float], head: str | None = None) -> float:
@@ -298,14 +336,19 @@ class ShapeTuner:
         if head is not None:
             best, rate = self._best_shape(batch_size, widths, depths, head)
             self._switch_head(head)
-        plain = self.plain_rate(batch_size)
+        # plain decoding's rate: measured where it has run at this batch size (the model's
+        # prediction of a plain step from tree verifies is what can be wrong), else predicted
+        measured_plain = self.guard.rate(False, batch_size) if self.measure_rates else None
+        plain = measured_plain or self.plain_rate(batch_size)
         self.drafting = best
         # measured rates overrule the model where both kinds of step have run at this batch
         # size (the model predicts a step from fitted pass costs; the guard times whole steps)
         measured = self.guard.verdict(batch_size) if self.measure_rates else None
-        if measured is not None:
-            plain, rate = self.guard.rate(False, batch_size), self.guard.rate(True, batch_size)
-        if self.auto_depth and plain > rate:
+        plain_wins = plain > rate if measured is None else not measured
+        if measured is not None:  # the measured rates, for the log
+            plain = self.guard.rate(False, batch_size)
+            rate = self.guard.rate(True, batch_size) or 0.0
+        if self.auto_depth and plain_wins:
             best = (best[0], 0)
             if self.depth != 0:  # newly plain: the first probe one period from now
                 self.probe_every = RECHOOSE_EVERY
@@ -426,9 +469,7 @@ class ShapeTuner:
         """A whole engine step as it ran (`RateGuard.add`): drafted or plain, its requests,
         the tokens they emitted, its wall time from one proposal to the next. Called before
         the next step is planned; an exploration step's rate is not counted."""
-        if drafted and self._exploring:
-            return
-        self.guard.add(drafted, batch_size, tokens, seconds)
+        self.guard.add(drafted, batch_size, tokens, seconds, exploring=drafted and self._exploring)
 
     def observe_tree(self, width: int, level_log_mass: list[float], accepted: int,
                      verified_depth: int) -> None:
