@@ -213,9 +213,33 @@ class FakeClock:
         return self.now
 
 
-def test_an_auto_step_feeds_the_tuner_from_the_session_only():
+def plain_measured(tuner: ShapeTuner, batch_size: int) -> ShapeTuner:
+    """A tuner that has timed its first plain steps at this batch size (an auto tuner decodes
+    plainly first: its rate is what drafting must beat), so its next step drafts."""
+    for _ in range(2):
+        tuner.observe_step(False, batch_size, batch_size, 1.0)
+    return tuner
+
+
+def test_a_fresh_auto_session_decodes_plainly_first():
     options = SubSpecOptions.from_dict({"tree_width": "auto", "tree_depth": "auto"})
     tuner = ShapeTuner(options.widths, 6, options.auto_width, options.auto_depth)
+    session = StepSession(options, tuner, clock=FakeClock())
+    roots, bonus = [5, 20], [3, 8]
+    for _ in range(2):
+        step = run_step(session, roots, bonus, options.num_draft_tokens)
+        assert step.drafts == [[], []] and step.plan is None  # vLLM decodes plainly
+        roots = [r + 1 for r in roots]
+        bonus = [step.walk.tokens[i, 0].item() for i in range(2)] if step.walk else bonus
+    # the third proposal closes the second plain step (timed: plain's rate known) and drafts
+    assert any(run_step(session, roots, bonus, options.num_draft_tokens).drafts)
+    assert tuner.guard.rate(False, 2) is not None
+
+
+def test_an_auto_step_feeds_the_tuner_from_the_session_only():
+    options = SubSpecOptions.from_dict({"tree_width": "auto", "tree_depth": "auto"})
+    tuner = plain_measured(ShapeTuner(options.widths, 6, options.auto_width,
+                                      options.auto_depth), 2)
     clock = FakeClock()
     session = StepSession(options, tuner, clock=clock)
     roots, bonus = [5, 20], [3, 8]
@@ -241,7 +265,8 @@ def test_an_auto_step_feeds_the_tuner_from_the_session_only():
 
 def test_an_auto_step_keeps_each_requests_level_masses_for_the_tuner():
     options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
-    tuner = ShapeTuner(options.widths, 3, options.auto_width, options.auto_depth)
+    tuner = plain_measured(ShapeTuner(options.widths, 3, options.auto_width,
+                                      options.auto_depth), 2)
     session = StepSession(options, tuner)
     passes = StubPasses([5, 9])
     session.propose(passes, ["a", "b"], torch.tensor([3, 8]), options.num_draft_tokens)
@@ -457,7 +482,8 @@ def test_each_step_reaches_the_tuner_with_its_tokens_and_wall_time():
     it, from its own proposal's start: drafted or not, its requests, the tokens its verify
     emitted (a plain step: one a request), and its wall time; nothing across an idle gap."""
     options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
-    tuner = ShapeTuner(options.widths, 3, options.auto_width, options.auto_depth)
+    tuner = plain_measured(ShapeTuner(options.widths, 3, options.auto_width,
+                                      options.auto_depth), 2)
     seen = []
     tuner.observe_step = lambda *args: seen.append(args)
     clock = FakeClock()
