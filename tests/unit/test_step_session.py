@@ -498,12 +498,20 @@ def test_each_step_reaches_the_tuner_with_its_tokens_and_wall_time():
     assert drafted and batch == 2 and got == tokens
     assert seconds == pytest.approx(session._step[0] - start - 0.0, abs=0.011)
     # a plain step (nothing drafted) counts one token a request
-    session._step, session._step_tokens = (clock.now, False, 2), None
+    both = frozenset(["r0", "r1"])
+    session._step, session._step_tokens = (clock.now, False, both), None
     clock.now += 0.2
-    session._close_step(clock())
+    session._close_step(clock(), ["r0", "r1"])
     assert seen[-1][:3] == (False, 2, 2) and seen[-1][3] == pytest.approx(0.21)
+    # a request finished: still counted; one joined (its prefill ran in the step): not
+    session._step = (clock.now, False, both)
+    session._close_step(clock(), ["r1"])
+    assert len(seen) == 3
+    session._step = (clock.now, False, both)
+    session._close_step(clock(), ["r0", "r1", "r2"])
+    assert len(seen) == 3
     # after an idle engine nothing is observed
-    session._step = (clock.now, False, 2)
+    session._step = (clock.now, False, both)
     clock.now += 60.0
-    session._close_step(clock())
-    assert len(seen) == 2
+    session._close_step(clock(), ["r0", "r1"])
+    assert len(seen) == 3

@@ -95,8 +95,8 @@ class StepSession:
         self._verify_seconds: float | None = None  # the last tree verify's, for the tuner
         self._last_draft_end: float | None = None
         # the step in progress, for the tuner's measured rates: (its proposal's start, drafted,
-        # requests) and the tokens its verify emitted (None: no tree verified in it)
-        self._step: tuple[float, bool, int] | None = None
+        # its requests) and the tokens its verify emitted (None: no tree verified in it)
+        self._step: tuple[float, bool, frozenset] | None = None
         self._step_tokens: int | None = None
 
     @classmethod
@@ -119,7 +119,7 @@ class StepSession:
         they are drafted with the others, and handed to vLLM as their tree's best path, a
         chain that vLLM's per-position rules (a grammar's masks) apply to exactly."""
         start = self.clock()
-        self._close_step(start)
+        self._close_step(start, req_ids)
         graph_passes = self.stats.draft_graph_passes
         if not self.options.is_tree:
             chain = draft_chain(passes, next_token_ids, num_speculative_tokens,
@@ -135,7 +135,7 @@ class StepSession:
         # auto shape's tuner too, and a chain's drafts are consumed on the stream
         end = self.clock()
         self._clock_rest_of_step(start, end)
-        self._step = (start, num_passes > 0, len(req_ids))
+        self._step = (start, num_passes > 0, frozenset(req_ids))
         self.stats.draft_steps += 1
         self.stats.draft_graph_steps += self.stats.draft_graph_passes > graph_passes
         self.stats.draft_passes += num_passes
@@ -196,16 +196,19 @@ class StepSession:
         self.pending = dict(zip(req_ids, stored))
         return stored
 
-    def _close_step(self, now: float) -> None:
-        """The last step ran from its proposal to this one: its tokens and wall time go to the
-        tuner's measured rates (not across an idle engine). A plain step emitted one token per
-        request; a drafting step what its verify emitted."""
+    def _close_step(self, now: float, req_ids: list[str]) -> None:
+        """The last step ran from its proposal to this one (`req_ids`'): its tokens and wall
+        time go to the tuner's measured rates. A plain step emitted one token per request; a
+        drafting step what its verify emitted. Not counted: a step across an idle engine, and
+        one in which requests joined (their prefill ran in it: its time is not the decode's)."""
         step, tokens, self._step, self._step_tokens = self._step, self._step_tokens, None, None
         if self.tuner is None or step is None or now - step[0] >= IDLE_GAP_SECONDS:
             return
-        started, drafted, batch = step
-        self.tuner.observe_step(drafted, batch, tokens if drafted and tokens else batch,
-                                now - started)
+        started, drafted, requests = step
+        if not requests.issuperset(req_ids):
+            return
+        self.tuner.observe_step(drafted, len(requests),
+                                tokens if drafted and tokens else len(requests), now - started)
 
     def _clock_rest_of_step(self, start: float, end: float) -> None:
         """The tuner's "rest of a step": from the end of the last draft to this one's start,
