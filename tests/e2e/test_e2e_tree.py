@@ -238,10 +238,15 @@ def test_auto_shape_greedy_identical(default_engine, prompts, plain):
     assert_identical(result.token_ids, plain_greedy.token_ids)
     assert_identical(penalized.token_ids, plain_penalized.token_ids)
     stats = result.stats
-    assert stats.tau > 2.0
-    # the tuner measured both sides and tried every width before choosing
+    # drafts were accepted, unless the measured rates chose plain decoding (on this CPU
+    # SmolLM2's plain steps can be faster: docs/shape_tuner.md, "Measured rates")
+    assert stats.tau > 2.0 or tuner["measured_plain_wins"], (stats.tau, tuner)
+    # the tuner measured both sides and explored widest first, every width unless the
+    # measurements stopped it
     assert tuner["verify_rows_seen"] and tuner["draft_passes_seen"]
-    assert tuner["widths_run"] == [1, 2, 4, 6]
+    assert 6 in tuner["widths_run"]
+    assert tuner["widths_run"] == [1, 2, 4, 6] or tuner["measured_plain_wins"] \
+        or tuner["exploration_lost"], tuner
     # vLLM was sent fewer draft tokens than the 6 x 32 it reserves for
     assert stats.num_draft_tokens < stats.num_drafts * 6 * 32
 
@@ -436,6 +441,9 @@ def _tuner_state(worker) -> dict:
     from vllm_subspec.vllm_hooks.runner import subspec_of
 
     tuner = subspec_of(worker).session.tuner
+    buckets = (1, 2, 4, 8, 16, 32, 64)
     return {"verify_rows_seen": any(v.known for v in tuner.verify.values()),
-            "draft_passes_seen": tuner.draft_pass[tuner.width].known,
-            "widths_run": sorted(w for w, a in tuner.acceptance.items() if a.steps)}
+            "draft_passes_seen": any(d.known for d in tuner.draft_pass.values()),
+            "widths_run": sorted(w for w, a in tuner.acceptance.items() if a.steps),
+            "measured_plain_wins": any(tuner.guard.verdict(b) is False for b in buckets),
+            "exploration_lost": any(tuner.guard.exploration_loses(b) for b in buckets)}
