@@ -47,6 +47,7 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model",
     "vllm.v1.worker.gpu_worker:Worker._make_model_runner",
@@ -154,6 +155,9 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
      "the original inside SampleMatchVerifier.verify_forward"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter", _RUNNER,
      "True whenever there is a batch (trees stop per request); chains: the original"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids", _RUNNER,
+     "StepSession.plan_step first; a plain plan: SubSpecProposer.plain_step, else the "
+     "original"),
     ("vllm.v1.worker.gpu_worker:Worker._make_model_runner",
      "overridden by SubSpecGPUWorker (vllm_hooks/runner.py)", "SubSpecGPUModelRunner"),
     ("vllm.v1.worker.cpu_worker:CPUWorker.init_device",

@@ -168,6 +168,43 @@ def predict_plain_faster(worker) -> dict:
     return step_stats(worker)
 
 
+# The tuner's costs kept aside while `model_costs_decide` is on, per worker process.
+_MEASURED_COSTS: dict[int, tuple] = {}
+
+
+def model_costs_decide(worker, on: bool) -> None:
+    """On: the auto shape's tuner decides with fixed costs alone (`ShapeTuner.use_costs`): a
+    draft pass as SmolLM2's on this CPU, a verify whose fixed part is large (as with
+    offloading), so its model drafts moderate shapes (a chain of 2-3 at 29 requests), and a
+    test of what drafting must keep exact really drafts whatever this machine's measured
+    rates say.
+    Off: its own costs and measured rates back. A collective_rpc target."""
+    from vllm_subspec.step.shape_tuner import LinearCost, StepCosts
+    from vllm_subspec.vllm_hooks.runner import subspec_of
+
+    class Line(LinearCost):  # seconds = a + b * rows; observations ignored
+        known = True
+
+        def __init__(self, a, b):
+            super().__init__()
+            self.a, self.b = a, b
+
+        def add(self, rows, seconds):
+            pass
+
+        def coefficients(self):
+            return self.a, self.b
+
+    tuner = subspec_of(worker).session.tuner
+    if on:
+        _MEASURED_COSTS[id(tuner)] = (tuner.costs, tuner.measure_rates)
+        tuner.use_costs(StepCosts({w: Line(0.006, 0.0015) for w in tuner.draft_pass},
+                                  {w: Line(0.3, 0.0004) for w in tuner.verify},
+                                  Line(0.002, 0.0)))
+    elif id(tuner) in _MEASURED_COSTS:
+        tuner.costs, tuner.measure_rates = _MEASURED_COSTS.pop(id(tuner))
+
+
 def step_stats(worker) -> dict:
     """The SubSpec session's `StepStats` as a dict (a collective_rpc target)."""
     import dataclasses

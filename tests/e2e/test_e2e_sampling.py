@@ -62,7 +62,8 @@ def samples(request, tiny_llama, plain_samples):
         spec = make_llm(tiny_llama, DRAFTERS[request.param], skip_tokenizer_init=True,
                         dtype="float32")
         try:
-            # the documented verify of every shape: sample-then-match, not vLLM's sampler
+            # the documented verify of every shape: sample-then-match, not vLLM's
+            # rejection sampler (steps without drafts: vLLM's own sampler, inside it)
             assert spec.collective_rpc(_verifier_class) == ["SampleMatchVerifier"]
             spec_samples = {name: sample(spec, s) for name, s in SETTINGS.items()}
             stats = acceptance_stats(spec)

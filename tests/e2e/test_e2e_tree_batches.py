@@ -53,8 +53,10 @@ def test_tree_with_prefills_preemption_and_prefix_cache(smollm2, spec, plain_ref
     assert_identical(spec_ids, plain_ids)
     assert metrics["vllm:num_preemptions"] > 0
     assert metrics["vllm:prefix_cache_hits"] > 0
-    # auto picks shallow shapes on this CPU (measured τ 1.95 here): drafts must still be accepted
-    assert stats.tau > (3.0 if "tree_depth" in spec else 1.5)
+    # auto picks shallow shapes on this CPU (measured τ 1.95 here): drafts must still be
+    # accepted where it drafted (its exploration allowance may keep a short run plain)
+    assert stats.tau > (3.0 if "tree_depth" in spec else 1.5) or \
+        ("tree_depth" not in spec and stats.num_drafts == 0)
 
 
 def _attention_isas(worker) -> list[str]:

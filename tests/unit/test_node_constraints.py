@@ -164,6 +164,15 @@ def test_a_thinking_budget_is_refused_per_request():
     assert reason.startswith("thinking_token_budget is not supported")
 
 
+def test_logprobs_the_verify_does_not_report_are_refused_per_request():
+    """A drafted step's logprobs are the verify's top-k form; a plain step's are vLLM's
+    sampler's. Asked-for token ids and the whole vocabulary would differ between the two."""
+    assert refusal(SamplingParams(logprobs=5)) is None
+    assert refusal(SamplingParams(logprob_token_ids=[3, 7])).startswith(
+        "logprob_token_ids is not supported")
+    assert refusal(SamplingParams(logprobs=-1)).startswith("logprobs=-1")
+
+
 def test_rows_stay_aligned_after_a_request_without_a_tree():
     """A request with scheduled drafts but no tree (only its root row is drawn from) still
     takes one depth and path per logits row, so the next request's rules land on its rows."""

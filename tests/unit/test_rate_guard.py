@@ -3,6 +3,7 @@
 import pytest
 
 from vllm_subspec.step.rate_guard import (
+    EXPLORE_BUDGET,
     FAR_AHEAD,
     MIN_STEPS,
     PLAIN_PROBE_EVERY,
@@ -60,3 +61,19 @@ def test_steps_without_time_or_requests_are_ignored():
     guard.add(True, 1, 5, 0.0)
     guard.add(True, 0, 5, 1.0)
     assert not guard.steps
+
+
+def test_the_allowance_grows_with_time_and_pays_for_drafting_losses_against_plain():
+    guard = RateGuard()
+    for _ in range(MIN_STEPS[False]):
+        guard.add(False, 8, 8, 0.02)  # plain: 400 tok/s, 40 ms
+    assert guard.allowance(8) == pytest.approx(EXPLORE_BUDGET * 0.04)
+    assert guard.allowance(1) == 0.0  # per batch bucket
+    guard.add(True, 8, 12, 0.1)  # 12 tokens that plain emits in 30 ms took 100 ms: 70 ms lost
+    assert guard.allowance(8) == pytest.approx(EXPLORE_BUDGET * 0.14 - 0.07)
+    guard.add(True, 8, 40, 0.05)  # 40 tokens in 50 ms, plain would need 100 ms: 50 ms gained
+    assert guard.allowance(8) == pytest.approx(EXPLORE_BUDGET * 0.19 - 0.02)
+    # before plain's rate is measured, nothing is charged (there is nothing to compare with)
+    fresh = RateGuard()
+    fresh.add(True, 2, 1, 1.0)
+    assert fresh.allowance(2) == pytest.approx(EXPLORE_BUDGET * 1.0)

@@ -225,16 +225,14 @@ def test_auto_drafts_nothing_where_plain_decoding_is_faster(batch_size):
     run(world, tuner, 200, batch_size)
     steps = [world.step(tuner, batch_size) for _ in range(1000)]
     probes = [i for i, (_, _, passes) in enumerate(steps) if passes > 0]
-    # probe steps back off while plain keeps winning: 16, 32, 64, ... steps apart, up to 512
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    # (a probe the loss budget cannot afford, `_explore_depth` 0, is skipped: gaps can double
-    # more than once)
-    assert len(gaps) >= 2 and all(b >= min(2 * a, 512) or b >= 256 for a, b in
-                                  zip(gaps, gaps[1:])), probes
-    assert len(probes) <= 10, probes
+    # drafting steps (probes, exploration) become rare: what they lose against plain's measured
+    # rate is paid from an allowance of 2% of the time run (`RateGuard.allowance`)
+    assert len(probes) <= 25, probes
+    assert len([i for i in probes if i >= 500]) <= 8, probes
     rate = sum(t for t, _, _ in steps[500:]) / sum(s for _, s, _ in steps[500:])
-    assert tuner.depth == 0
     assert rate >= 0.97 * world.plain_rate(batch_size), (rate, world.plain_rate(batch_size))
+    everything = sum(t for t, _, _ in steps) / sum(s for _, s, _ in steps)
+    assert everything >= 0.97 * world.plain_rate(batch_size)
     fixed_depth = ShapeTuner((1, 2, 4, 6), 4, auto_width=True, auto_depth=False)
     run(world, fixed_depth, 200, batch_size)
     assert all(fixed_depth.plan_step(batch_size).shape.depth == 4 for _ in range(50))
@@ -524,9 +522,9 @@ def test_never_slower_than_plain_on_both_machine_states_once_measured(machine, b
     best = max(world.fixed_rate(k, d, batch_size) for k in (1, 2, 4, 6) for d in range(1, 33))
     late = steps[800:]
     late_rate = sum(t for t, _, _ in late) / sum(s for _, s, _ in late)
-    if best < plain:  # plain wins: the tuner must have stopped drafting
-        assert tuner.depth == 0, tuner.describe()
-        assert tuner.guard.verdict(batch_size) is False
+    if best < plain:  # plain wins: the tuner must have (all but) stopped drafting
+        drafted = sum(1 for _, _, passes in late if passes)
+        assert drafted <= 0.03 * len(late), (drafted, tuner.describe())
         assert late_rate >= 0.98 * plain, (machine, batch_size, late_rate, plain)
     else:  # drafting wins: it keeps most of what the best fixed shape gains
         assert late_rate >= plain, (late_rate, plain)
@@ -541,11 +539,14 @@ def test_the_model_alone_would_have_drafted_where_plain_wins():
     assert max(world.fixed_rate(k, d, 1) for k in (1, 2, 4, 6) for d in range(1, 33)) \
         < world.plain_rate(1)
     tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
-    run(world, tuner, 600)
+    steps = [world.step(tuner, 1) for _ in range(600)]
     best, rate = tuner._best_shape(1, tuner.widths, range(1, 33), tuner.lm_head)
     assert rate > tuner.plain_rate(1)  # the model's view
-    assert tuner.guard.verdict(1) is False  # the measurement's
-    assert tuner.depth == 0
+    # the measurements': drafting's measured losses spent the allowance, so it hardly drafts
+    assert tuner.guard.lost[1] > 0
+    assert sum(1 for _, _, passes in steps[300:] if passes) <= 10
+    assert sum(t for t, _, _ in steps) / sum(s for _, s, _ in steps) \
+        >= 0.97 * world.plain_rate(1)
 
 
 def test_no_exploration_step_stalls_a_burst_at_any_batch_size():
@@ -559,3 +560,37 @@ def test_no_exploration_step_stalls_a_burst_at_any_batch_size():
         plain_step = world.t_plain(batch_size)
         worst = max(world.step(tuner, batch_size)[1] for _ in range(200))
         assert worst <= 12 * plain_step, (batch_size, worst / plain_step)
+
+
+@pytest.mark.parametrize("machine", sorted(MACHINES))
+def test_first_runs_cost_at_most_a_few_percent_where_plain_wins(machine):
+    """Exploration bounded (`RateGuard.allowance`): the never-slower benchmark's sequence (a
+    run of 256 steps at one request, then three runs of 64 steps at 8, then at 32 requests)
+    on each machine's cost table. Every run where plain wins, the first at a batch size
+    included, keeps >= 0.97x plain's rate; where drafting wins, the runs after the first gain."""
+    world = World(**MACHINES[machine], seed=7)
+    tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+    for batch_size, steps in ((1, 256), (8, 64), (8, 64), (8, 64), (32, 64), (32, 64),
+                              (32, 64)):
+        ran = [world.step(tuner, batch_size) for _ in range(steps)]
+        rate = sum(t for t, _, _ in ran) / sum(s for _, s, _ in ran)
+        plain = world.plain_rate(batch_size)
+        best = max(world.fixed_rate(k, d, batch_size) for k in (1, 2, 4, 6)
+                   for d in range(1, 33))
+        assert rate >= 0.97 * plain, (machine, batch_size, rate / plain)
+        if best > 1.2 * plain and batch_size == 1:
+            assert rate >= 1.1 * plain, (machine, rate / plain)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 32])
+def test_a_fresh_burst_pays_one_cheap_first_look(batch_size):
+    """An engine whose first requests come as a burst (no batch size measured before): the
+    first look drafts one depth of a width whose rows fit EXPLORE_ROWS (the narrowest if none
+    does), so where plain wins the first 128 steps keep >= 0.96x plain's rate."""
+    world = World(**MACHINES["smollm2, fast memory"], seed=3)
+    tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+    ran = [world.step(tuner, batch_size) for _ in range(128)]
+    rate = sum(t for t, _, _ in ran) / sum(s for _, s, _ in ran)
+    assert rate >= 0.96 * world.plain_rate(batch_size), rate / world.plain_rate(batch_size)
+    first = next(i for i, (_, _, passes) in enumerate(ran) if passes)
+    assert first == 2 and ran[first][2] == 1  # after plain's two steps, one depth

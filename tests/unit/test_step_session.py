@@ -127,10 +127,16 @@ def kv_cache(num_blocks: int = 8):
 
 def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec: int,
              chain_only: list[bool] | None = None):
-    """propose -> prepare_verify -> verify_forward -> sample_and_walk -> compact."""
+    """plan_step -> propose -> prepare_verify -> verify_forward -> sample_and_walk -> compact,
+    in the runner's order: a plain plan proposes nothing (`SubSpecRunner.propose_draft_token_ids`)
+    and a step without drafts is drawn by vLLM's sampler (`SampleMatchVerifier.__call__`:
+    `sampled_plain`, walk None)."""
     passes = StubPasses(roots)
     req_ids = [f"r{i}" for i in range(len(roots))]
-    drafts = session.propose(passes, req_ids, torch.tensor(bonus), num_spec, chain_only)
+    if session.plan_step(req_ids).shape.depth == 0:
+        drafts = [[] for _ in req_ids]
+    else:
+        drafts = session.propose(passes, req_ids, torch.tensor(bonus), num_spec, chain_only)
     drafts = drafts.tolist() if torch.is_tensor(drafts) else drafts
     # vLLM schedules the drafts as a chain after each root: query rows root, d_1, d_2, ...
     requests, starts, q = [], [], 0
@@ -150,6 +156,10 @@ def run_step(session: StepSession, roots: list[int], bonus: list[int], num_spec:
     blocks = 4 * max(2, len(roots))  # 4 blocks (64 slots) a request
     kv_caches, layout = kv_cache(blocks)
     table = torch.arange(blocks, dtype=torch.int32).flip(0).reshape(-1, 4)  # out of order
+    if not any(drafts):
+        session.sampled_plain()
+        return SimpleNamespace(passes=passes, drafts=drafts, positions=positions, plan=plan,
+                               walk=None, layout=layout, table=table)
     walk = session.sample_and_walk(req_ids, [len(d) for d in drafts], logits,
                                    greedy_sampling(len(roots)), topk_topp_sampler=None,
                                    kv=lambda: PagedKv(kv_caches, table, BS),
@@ -310,7 +320,7 @@ def test_injected_costs_decide_and_a_plain_step_drafts_nothing():
             step = run_step(session, [5, 20], [3, 8], options.num_draft_tokens)
             drafted.append(any(step.drafts))
             assert (session.stats.tree_width == 0) == (not drafted[-1])
-            for i, b in enumerate([3, 8]):
+            for i, b in enumerate([3, 8] if step.walk is not None else []):
                 assert emitted(step.walk, i) == target_greedy(b, len(emitted(step.walk, i)))
         return drafted
 
@@ -407,11 +417,11 @@ def test_step_seconds_leave_idle_gaps_out():
     propose()
     assert session.stats.step_seconds == pytest.approx(session.stats.draft_seconds)
     clock.now += 0.5  # a step's verify and the rest of it
-    propose()
-    assert session.stats.step_seconds == pytest.approx(0.01 + 0.51 + 0.01)
+    propose()  # (three readings: the plan, drafting's start, its end)
+    assert session.stats.step_seconds == pytest.approx(0.01 + 0.5 + 0.03)
     clock.now += 60.0  # the engine waited for requests
     propose()
-    assert session.stats.step_seconds == pytest.approx(0.01 + 0.52 + 0.01)
+    assert session.stats.step_seconds == pytest.approx(0.01 + 0.53 + 0.01)
     assert session.stats.draft_seconds == pytest.approx(0.03)
 
 
@@ -515,3 +525,36 @@ def test_each_step_reaches_the_tuner_with_its_tokens_and_wall_time():
     clock.now += 60.0
     session._close_step(clock(), ["r0", "r1"])
     assert len(seen) == 3
+
+
+def test_each_step_is_planned_once_and_a_plain_plan_is_the_whole_proposal():
+    """The runner plans every step first (`plan_step`): a plain plan is counted there and
+    nothing else runs (no draft inputs, no propose, vLLM's sampler draws); a drafting plan is
+    the one the next `propose` drafts, so the tuner plans each step exactly once."""
+    options = SubSpecOptions.from_dict({"tree_width": "auto", "tree_depth": "auto"})
+    tuner = ShapeTuner(options.widths, 6, options.auto_width, options.auto_depth)
+    plans = []
+    plan_step = tuner.plan_step
+    tuner.plan_step = lambda b: plans.append(plan_step(b)) or plans[-1]
+    session = StepSession(options, tuner, clock=FakeClock())
+    roots, bonus = [5, 20], [3, 8]
+    for n in range(1, 6):
+        step = run_step(session, roots, bonus, options.num_draft_tokens)
+        assert len(plans) == n  # once a step, drafting or not
+        assert session.stats.draft_steps == n
+        assert session.stats.plain_steps == sum(p.shape.depth == 0 for p in plans)
+        assert any(step.drafts) == (plans[-1].shape.depth > 0)
+        assert session.verifying == {} and session._verify_start is None
+        if step.walk is not None:
+            tokens = [emitted(step.walk, i) for i in range(2)]
+            roots = [r + len(t) for r, t in zip(roots, tokens)]
+            bonus = [t[-1] for t in tokens]
+        else:
+            roots = [r + 1 for r in roots]
+    assert plans[0].shape.depth == 0 and plans[1].shape.depth == 0  # plain first
+    assert any(p.shape.depth > 0 for p in plans)
+    # a propose for other requests than the plan's plans anew (the plan is one step's)
+    session.plan_step(["r0", "r1"])
+    n = len(plans)
+    session.propose(StubPasses([9]), ["x"], torch.tensor([3]), options.num_draft_tokens)
+    assert len(plans) == n + 1

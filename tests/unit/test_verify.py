@@ -466,3 +466,33 @@ def test_seeded_draws_do_not_depend_on_the_batch_or_the_tree_size():
                    torch.cat([torch.randn(5, V), rows[:2]]),
                    {0: torch.Generator().manual_seed(5), 1: torch.Generator().manual_seed(11)})
     assert pair[1, :2].tolist() == solo[0, :2].tolist()
+
+
+@pytest.mark.parametrize("greedy, logprobs", [(True, None), (False, None), (False, 3)])
+def test_a_step_without_drafts_is_drawn_by_vllms_own_sampler(greedy, logprobs):
+    """No request had drafts (a step the session planned plain): the verifier hands the logits
+    to vLLM's `Sampler`, so the step draws, and reports logprobs, exactly as a plain engine
+    does; nothing is walked."""
+    logits = torch.randn(3, V)
+    step = step_with({"a": None, "b": None, "c": None})
+    seen = []
+    plain_sampler = Sampler()
+    step.runner.sampler = lambda logits, sampling_metadata: seen.append(1) or \
+        plain_sampler(logits=logits, sampling_metadata=sampling_metadata)
+    step.session.verifying = {"stale": None}
+
+    def meta(seed):
+        gens = {} if greedy else {i: torch.Generator().manual_seed(seed + i) for i in range(3)}
+        return sampling(3, greedy=greedy, temperature=0.8, generators=gens,
+                        max_logprobs=logprobs)
+
+    out = verify(step, [0, 0, 0], logits.clone(), meta(7))
+    assert seen == [1] and step.session.verifying == {}
+    plain = plain_sampler(logits=logits.clone(), sampling_metadata=meta(7))
+    assert torch.equal(out.sampled_token_ids, plain.sampled_token_ids)
+    assert out.sampled_token_ids.shape == (3, 1)
+    if logprobs is None:
+        assert out.logprobs_tensors is None
+    else:
+        assert torch.equal(out.logprobs_tensors.logprob_token_ids,
+                           plain.logprobs_tensors.logprob_token_ids)

@@ -49,6 +49,8 @@ WRAP_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {
 # unaffected (docs/gpu.md, "vLLM 0.33.0 vs 0.32.0"). A new difference must be audited, added to
 # that table and here; an entry whose function no longer differs is an error too.
 KNOWN_DIFFERENCES: dict[str, str] = {
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids":
+        "0.33 removes the Medusa branch; the draft-model branch SubSpec's plans reach is unchanged",
     "vllm.config.vllm:VllmConfig._get_v1_model_runner_unsupported_features":
         "0.33 adds refusals (xpress drafting, draft lm_head quantization, Parse MTP drafts, "
         "Step5 targets) none of which a SubSpec engine can have; with SubSpec it stays empty",

@@ -31,11 +31,22 @@ def chain_only_reason(params) -> str | None:
 def refusal(params) -> str | None:
     """Why SubSpec refuses a request vLLM would accept with speculative decoding (None: it
     does not): a thinking budget's forced end is applied by vLLM's samplers, which SubSpec's
-    verify replaces, and nothing here applies it yet."""
+    verify replaces, and nothing here applies it yet; logprobs of chosen token ids or of the
+    whole vocabulary, which the verify does not report."""
     if getattr(params, "thinking_token_budget", None) is not None:
         return ("thinking_token_budget is not supported with speculative method 'subspec' "
                 "(its forced end of thinking would not be applied); drop it, or serve "
                 "without --speculative-config")
+    # a drafting step's logprobs come from the verify (`SampleMatchVerifier._logprobs`: the
+    # top-k form); a step without drafts is vLLM's sampler's: the two would disagree
+    if getattr(params, "logprob_token_ids", None):
+        return ("logprob_token_ids is not supported with speculative method 'subspec' (a "
+                "verified step reports top-k logprobs only); ask for logprobs=N, or serve "
+                "without --speculative-config")
+    if getattr(params, "logprobs", None) == -1:
+        return ("logprobs=-1 (the whole vocabulary) is not supported with speculative method "
+                "'subspec' (a verified step reports top-k logprobs only); ask for logprobs=N, "
+                "or serve without --speculative-config")
     return None
 
 

@@ -18,6 +18,10 @@ PLAIN_PROBE_EVERY = 32  # while drafting, one plain step in this many keeps plai
 # ... one in this many where drafting measures this many times plain's rate (with offloading a
 # plain step costs about a whole drafting step: each probe gives up most of a step's tokens)
 PLAIN_PROBE_EVERY_FAR, FAR_AHEAD = 512, 1.5
+# drafting not yet measured faster than plain (exploration, probes, shapes the model chose)
+# may cost at most this share of a batch size's decoding time: what it loses against plain's
+# measured rate is spent from an allowance that grows with every step's time (`allowance`)
+EXPLORE_BUDGET = 0.02
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -34,6 +38,10 @@ class RateGuard:
         self.tokens: dict[tuple[bool, int], float] = {}
         self.seconds: dict[tuple[bool, int], float] = {}
         self.steps: dict[tuple[bool, int], float] = {}
+        # per batch bucket: every step's seconds, and the seconds drafting steps took beyond
+        # what plain's measured rate needs for their tokens (negative: gained), undecayed
+        self.elapsed: dict[int, float] = {}
+        self.lost: dict[int, float] = {}
 
     def add(self, drafted: bool, batch_size: int, tokens: int, seconds: float,
             exploring: bool = False) -> None:
@@ -41,7 +49,12 @@ class RateGuard:
         (exploring: an exploration step, kept apart from the chosen shapes' drafting)."""
         if seconds <= 0 or batch_size <= 0:
             return
-        key = ("explore" if exploring else drafted, batch_bucket(batch_size))
+        bucket = batch_bucket(batch_size)
+        self.elapsed[bucket] = self.elapsed.get(bucket, 0.0) + seconds
+        plain = self.rate(False, batch_size)
+        if drafted and plain:
+            self.lost[bucket] = self.lost.get(bucket, 0.0) + seconds - tokens / plain
+        key = ("explore" if exploring else drafted, bucket)
         d = self.decay
         self.tokens[key] = d * self.tokens.get(key, 0.0) + tokens
         self.seconds[key] = d * self.seconds.get(key, 0.0) + seconds
@@ -53,6 +66,13 @@ class RateGuard:
         if self.steps.get(key, 0.0) < MIN_STEPS[drafted]:
             return None
         return self.tokens[key] / self.seconds[key]
+
+    def allowance(self, batch_size: int) -> float:
+        """Seconds that drafting not yet measured faster may still lose at this batch size:
+        EXPLORE_BUDGET of the time its steps have run, less what drafting steps lost against
+        plain's measured rate (plus what they gained)."""
+        bucket = batch_bucket(batch_size)
+        return EXPLORE_BUDGET * self.elapsed.get(bucket, 0.0) - self.lost.get(bucket, 0.0)
 
     def verdict(self, batch_size: int) -> bool | None:
         """True: drafting measured faster than plain at this batch size; False: slower; None:

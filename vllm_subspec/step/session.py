@@ -1,13 +1,16 @@
 """One owner for SubSpec's speculative steps; its methods, in the order vLLM's model runner
 calls them (through vllm_hooks/):
 
-1. `propose`: draft this step's trees (`draft.draft_tree`) and keep them pending until they
-   are verified (a chain: `draft.draft_chain`, verified in vLLM's layout, nothing kept).
+1. `plan_step`: this step's drafting budget; a plain plan is the whole proposal (the runner
+   skips vLLM's draft inputs). `propose`: draft this step's trees (`draft.draft_tree`) and
+   keep them pending until they are verified (a chain: `draft.draft_chain`, verified in
+   vLLM's layout, nothing kept).
 2. `prepare_verify` (next step): consume them; node i keeps slot L + i but moves to position
    L + depth(i), and the ancestor-only rows form the verify's `TreePlan`.
 3. `verify_forward`: that plan is active for exactly the target's forward.
 4. `sample_and_walk`: sample, then match (`verify.sample_then_match`), then move each accepted
-   path's KV from slots L + a_j to L + j.
+   path's KV from slots L + a_j to L + j; a step without drafts is sampled by vLLM's own
+   sampler (`sampled_plain`).
 
 The state across those calls (pending and verifying trees, the plan, an auto shape's tuner, the
 step clock, `StepStats`) lives here only. docs/architecture.md, "One tree step, in run order".
@@ -98,6 +101,8 @@ class StepSession:
         # its requests) and the tokens its verify emitted (None: no tree verified in it)
         self._step: tuple[float, bool, frozenset] | None = None
         self._step_tokens: int | None = None
+        # this step's plan until `propose` drafts it: (its start, its requests, the plan)
+        self._plan: tuple[float, list[str], StepPlan] | None = None
 
     @classmethod
     def from_options(cls, options: SubSpecOptions) -> StepSession:
@@ -107,19 +112,45 @@ class StepSession:
             if options.is_auto and options.is_tree else None
         return cls(options, tuner)
 
-    # ---- 1. propose ----------------------------------------------------------------------
+    # ---- 1. plan, then propose ----------------------------------------------------------
+    def plan_step(self, req_ids: list[str]) -> StepPlan:
+        """This step's drafting budget for the requests `req_ids` (depth 0: plain decoding is
+        predicted faster). A plain plan is the step's whole proposal: it is counted here and
+        `propose` is not called; any other is drafted by the next `propose`."""
+        start = self.clock()
+        self._close_step(start, req_ids)
+        if self.options.is_tree and self.tuner is not None:
+            plan = self.tuner.plan_step(len(req_ids))
+        else:
+            plan = StepPlan(self.shape, adaptive=False, full_depth=True)
+        self._plan = None
+        if plan.shape.depth == 0:
+            self.stats.plain_steps += 1
+            self.stats.tree_width = self.stats.tree_depth = 0
+            self._end_proposal(start, 0, req_ids)
+        else:
+            self._plan = (start, list(req_ids), plan)
+        return plan
+
     def propose(self, passes: DraftPasses, req_ids: list[str], next_token_ids: torch.Tensor,
                 num_speculative_tokens: int, chain_only: list[bool] | None = None
                 ) -> torch.Tensor | list[list[int]]:
         """This step's drafts for the B requests `req_ids`: [B, D] tokens (chain), [B, k*D]
-        (fixed tree shape), or per-request lists (auto shape: empty ones when a plain step is
-        predicted faster; any shape with `chain_only` requests).
+        (fixed tree shape), or per-request lists (auto shape; any shape with `chain_only`
+        requests). Drafts the plan `plan_step` made for these requests (making it first if
+        it was not: then a plain plan returns empty lists).
 
         chain_only: [B] requests a tree is not exact for (`node_constraints.chain_only_reason`):
         they are drafted with the others, and handed to vLLM as their tree's best path, a
         chain that vLLM's per-position rules (a grammar's masks) apply to exactly."""
-        start = self.clock()
-        self._close_step(start, req_ids)
+        planned, self._plan = self._plan, None
+        if planned is None or planned[1] != list(req_ids):
+            plan = self.plan_step(req_ids)
+            if plan.shape.depth == 0:
+                return [[] for _ in req_ids]
+            planned, self._plan = self._plan, None
+        step_start, _, plan = planned
+        start = self.clock()  # drafting's own start (vLLM built its inputs after the plan)
         graph_passes = self.stats.draft_graph_passes
         if not self.options.is_tree:
             chain = draft_chain(passes, next_token_ids, num_speculative_tokens,
@@ -127,27 +158,28 @@ class StepSession:
             drafts, num_passes = chain.tokens, chain.passes
             self.stats.tree_width, self.stats.tree_depth = 1, num_speculative_tokens
         else:
-            plan = self.tuner.plan_step(len(req_ids)) if self.tuner is not None \
-                else StepPlan(self.shape, adaptive=False, full_depth=True)
             drafts, num_passes = self._draft_trees(passes, req_ids, next_token_ids, plan,
                                                    chain_only or [False] * len(req_ids))
         # no wait for the device here: a tree's host copy (`_keep_pending`) already waited, an
         # auto shape's tuner too, and a chain's drafts are consumed on the stream
+        self.stats.draft_graph_steps += self.stats.draft_graph_passes > graph_passes
+        self._end_proposal(start, num_passes, req_ids, step_start)
+        return drafts
+
+    def _end_proposal(self, start: float, num_passes: int, req_ids: list[str],
+                      step_start: float | None = None) -> None:
+        """start: the proposal's drafting start; step_start: the step's, for its measured
+        rate (the plan's time: vLLM's draft inputs between the two are the step's too)."""
         end = self.clock()
         self._clock_rest_of_step(start, end)
-        self._step = (start, num_passes > 0, frozenset(req_ids))
+        self._step = (start if step_start is None else step_start, num_passes > 0,
+                      frozenset(req_ids))
         self.stats.draft_steps += 1
-        self.stats.draft_graph_steps += self.stats.draft_graph_passes > graph_passes
         self.stats.draft_passes += num_passes
         self.stats.draft_seconds += end - start
-        return drafts
 
     def _draft_trees(self, passes: DraftPasses, req_ids: list[str],
                      next_token_ids: torch.Tensor, plan: StepPlan, chain_only: list[bool]):
-        if plan.shape.depth == 0:  # plain decoding is predicted faster
-            self.stats.plain_steps += 1
-            self.stats.tree_width = self.stats.tree_depth = 0
-            return [[] for _ in req_ids], 0
         tuner, k = self.tuner, plan.shape.width
         self.stats.tree_width = k
         lm_head = plan.lm_head or self.options.draft_lm_heads[0]
@@ -229,7 +261,7 @@ class StepSession:
         """Consume the pending trees of the requests vLLM scheduled drafts for; returns the
         position rewrites of the verify forward (vLLM's chain positions L + i -> L + depth)."""
         drafted, self.pending = self.pending, {}  # a tree is verified at most once
-        self.verifying, self._verify_plan = {}, None
+        self.verifying, self._verify_plan, self._plan = {}, None, None  # (a plan is one step's)
         rows, starts, counts, widths, roots = [], [], [], [], []
         for r in requests:
             stored = drafted.get(r.req_id)
@@ -267,6 +299,11 @@ class StepSession:
             yield
 
     # ---- 4. sample, then match; move the accepted paths' KV -----------------------------
+    def sampled_plain(self) -> None:
+        """A step in which no request had drafts was sampled by vLLM's own sampler (as a
+        plain engine draws): nothing to walk, nothing verified."""
+        self.verifying, self._verify_start = {}, None
+
     def sample_and_walk(self, req_ids: list[str], num_draft: list[int], logits: torch.Tensor,
                         sampling_metadata, topk_topp_sampler, kv: Callable[[], PagedKv],
                         max_rows: int | None = None,

@@ -169,6 +169,7 @@ class ShapeTuner:
         self.guard = RateGuard()
         self.measure_rates = costs is None  # given costs decide alone (`use_costs`)
         self._exploring = False  # the last planned step explores (`plan_step`)
+        self._explored_shape = False  # (width, depth) were set by an exploration step
 
     def use_costs(self, costs: StepCosts) -> None:
         """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark),
@@ -204,26 +205,37 @@ class ShapeTuner:
 
     def _plan_shape(self, batch_size: int) -> StepPlan:
         self.steps += 1
+        plain_step = StepPlan(TreeShape(self.width, 0), False, False)
         if self.auto_depth and self.measure_rates:
             if self.guard.rate(False, batch_size) is None:
                 # plain first at each batch size: its rate is what drafting must beat
-                return StepPlan(TreeShape(self.width, 0), False, False)
+                return plain_step
             if self.depth != 0 and self.guard.verdict(batch_size) is False:
                 self._choose(batch_size)  # measured to lose: plain now, not at the next choice
         if self.auto_width or self.auto_depth:
             unexplored = [w for w in self.widths if self.acceptance[w].steps < EXPLORE_STEPS]
+            explore_width = self._explore_width(unexplored, batch_size)
             explore_depth = 0 if not (self.auto_width and unexplored) else \
-                self._explore_depth(max(unexplored), self.max_depth, batch_size) \
+                self._explore_depth(explore_width, self.max_depth, batch_size) \
                 if self.auto_depth else self.max_depth  # a fixed depth is never changed
             if explore_depth and not (self.measure_rates
-                                      and self.guard.exploration_loses(batch_size)):
-                # widest first (capped: `_explore_depth`), while exploring has not clearly lost
-                self.width, self.depth = max(unexplored), explore_depth
+                                      and self.guard.exploration_loses(batch_size)) \
+                    and self._affordable(explore_width, explore_depth, batch_size):
+                # widest first (`_explore_width`; capped: `_explore_depth`), while exploring
+                # has not clearly lost and the allowance covers it
+                self.width, self.depth = explore_width, explore_depth
                 self._exploring = self.auto_depth  # (kept apart from the chosen shapes' rate)
-            elif self.steps % RECHOOSE_EVERY == 1 or unexplored:
+                self._explored_shape = True
+            elif self.steps % RECHOOSE_EVERY == 1 or \
+                    (unexplored and (self._explored_shape or not self.auto_width)):
+                # (after exploring: a chosen shape again, once; exploration waiting for its
+                # allowance does not re-choose every step)
                 self._choose(batch_size)
+                self._explored_shape = False
             elif (self.auto_width and self.depth != 0
-                  and self.steps % (RECHOOSE_EVERY * REEXPLORE_EVERY) == 0):
+                  and self.steps % (RECHOOSE_EVERY * REEXPLORE_EVERY) == 0
+                  and self._affordable(min(self.widths, key=lambda w: self.last_run[w]),
+                                       self.drafting[1], batch_size)):
                 # one step of the least recently run width keeps its statistics current
                 stale = min(self.widths, key=lambda w: self.last_run[w])
                 self.last_run[stale] = self.steps
@@ -231,27 +243,31 @@ class ShapeTuner:
                 return StepPlan(TreeShape(stale, self.drafting[1]), self.auto_depth, True)
         if self.depth == 0:  # plain decoding is faster: draft only in probe steps
             if self.steps < self.next_probe:
-                return StepPlan(TreeShape(self.width, 0), False, False)
-            self.next_probe = self.steps + self.probe_every
-            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+                return plain_step
             width, depth = self.drafting
             if self.measure_rates:  # a probe costs at most EXPLORE_COST plain steps
                 depth = self._explore_depth(width, depth, batch_size)
                 if depth == 0:
-                    return StepPlan(TreeShape(self.width, 0), False, False)
+                    return plain_step
+                if not self._affordable(width, depth, batch_size):
+                    return plain_step  # probed once the allowance covers it
+            self.next_probe = self.steps + self.probe_every
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
             self.last_run[width] = self.steps
             return StepPlan(TreeShape(width, depth), True, False)
         if self.auto_depth and self.measure_rates and \
                 self.guard.wants_plain_probe(batch_size, self.steps):
-            return StepPlan(TreeShape(self.width, 0), False, False)  # plain's rate, measured
-        self.last_run[self.width] = self.steps
+            return plain_step  # plain's rate, measured
         if not self.auto_depth:
+            self.last_run[self.width] = self.steps
             return StepPlan(TreeShape(self.width, self.depth), False, True)
         if self.steps % FULL_DEPTH_EVERY == 0:  # a look past the usual depth, not too costly
             deeper = min(self.max_depth, max(2 * self.depth, self.depth + 4))
             deeper = max(self.depth, self._explore_depth(self.width, deeper, batch_size))
-            self._exploring = True
-            return StepPlan(TreeShape(self.width, deeper), True, True)
+            if self._affordable(self.width, deeper, batch_size):
+                self.last_run[self.width] = self.steps
+                self._exploring = True
+                return StepPlan(TreeShape(self.width, deeper), True, True)
         # a width's first tree goes to full depth (the calibration's first look); after that
         # the adaptive stop runs on what has been measured (full-depth trees are costly on CPU)
         full = self.acceptance[self.width].steps < 1
@@ -262,8 +278,44 @@ class ShapeTuner:
                              and self.verify[self.width].known):
             # the adaptive stop weighs costs this width has not measured yet: capped rows
             depth = max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * self.width)))
+        if self.measure_rates and not self.guard.verdict(batch_size) \
+                and not self._affordable(self.width, depth, batch_size):
+            return plain_step  # not measured faster yet, and the allowance is spent
+        self.last_run[self.width] = self.steps
         self._exploring = full or self._exploring
         return StepPlan(TreeShape(self.width, depth), True, full)
+
+    def _explore_width(self, unexplored: list[int], batch_size: int) -> int:
+        """The width to explore next: the widest unexplored one; for the first look (no verify
+        timed yet, measured rates on), the widest whose depth has at most EXPLORE_ROWS rows
+        (else the narrowest): what a row costs is not known yet."""
+        if not unexplored:
+            return self.width
+        if not (self.measure_rates and self.auto_depth) or \
+                any(self.verify[w].known for w in self.widths):
+            return max(unexplored)
+        fitting = [w for w in unexplored if batch_size * w <= EXPLORE_ROWS]
+        return max(fitting) if fitting else min(unexplored)
+
+    def _affordable(self, width: int, depth: int, batch_size: int) -> bool:
+        """Whether a step of (width, depth) fits this batch size's exploration allowance
+        (`RateGuard.allowance`): what it is predicted to lose against plain's measured rate
+        (its predicted seconds less the time plain needs for its predicted tokens), and is
+        not overdrawn (a predicted gain is not yet a measured one). Before any verify is
+        timed: while nothing is lost."""
+        if not self.measure_rates:
+            return True
+        allowance, plain = self.guard.allowance(batch_size), self.guard.rate(False, batch_size)
+        known = [w for w in self.widths if self.verify[w].known]
+        if plain is None or not known:
+            return allowance >= 0.0
+        rows = batch_size * width
+        seconds = self._step_seconds_like(width if width in known else max(known), batch_size,
+                                          depth - 1, (depth - 1) * rows, depth * rows)
+        tokens = batch_size * (1.0 + sum(self.acceptance[width].reach().tolist()[:depth]))
+        # a predicted gain does not license losses beyond the allowance: the prediction is
+        # what is not yet measured (a model that says drafting wins is what can be wrong)
+        return allowance >= max(0.0, seconds - tokens / plain)
 
     def _explore_depth(self, width: int, depth: int, batch_size: int) -> int:
         """`depth`, capped so that an exploration or probe step is predicted to take at most
@@ -274,7 +326,11 @@ class ShapeTuner:
         # a width not yet run is costed like the widest one that has (its rows cost as much)
         known = [w for w in self.widths if self.verify[w].known]
         if not plain or not known:
-            return max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
+            # the first look: one depth, what a row costs is unknown (with several widths to
+            # explore: their looks that follow, costed, differ in rows, so the fit gets a slope)
+            return 1 if self.measure_rates and self.auto_width and self.auto_depth and \
+                len(self.widths) > 1 else \
+                max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
         if self.measure_rates and self._step_seconds_like(
                 width if width in known else max(known), batch_size, 0, 0,
                 batch_size * width) > EXPLORE_COST * batch_size / plain:

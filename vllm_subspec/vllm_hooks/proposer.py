@@ -302,6 +302,15 @@ class SubSpecProposer(DraftModelProposer):
             self.metrics.record(self.session.stats)
         return drafts
 
+    def plain_step(self, batch_size: int) -> list[list[int]]:
+        """A step the session planned plain (`SubSpecRunner.propose_draft_token_ids`): no
+        drafts; the next verify's first copies still start now."""
+        if self.offloader is not None:
+            self.offloader.start_before_draft()
+        if self.metrics is not None:
+            self.metrics.record(self.session.stats)
+        return [[] for _ in range(batch_size)]
+
     def bonus_token_metadata(self, cad, num_rejected_tokens_gpu):
         """(decode-shaped metadata whose seq_lens end at the last verified token, the last
         verified positions): rejected drafts are dropped from seq_lens, so the first draft

@@ -78,6 +78,15 @@ class SubSpecRunner:
         with self.rejection_sampler.verify_forward():
             return super()._model_forward(*args, **kwargs)
 
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        """The session plans each step first: a plain plan drafts nothing, and vLLM's draft
+        inputs (`EagleProposer.prepare_next_token_ids_padded`, `prepare_inputs_padded`) are
+        not built for it; any other goes on to `self.drafter.propose`."""
+        req_ids = self.input_batch.req_ids[: self.input_batch.num_reqs]
+        if self.session.plan_step(req_ids).shape.depth == 0:
+            return self.drafter.plain_step(len(req_ids))
+        return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
+
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         """A tree stops each request at its own max_model_len (`draft.draft_tree`), so a tree
         engine drafts whenever there is a batch; a chain keeps vLLM's whole-batch rule (its

@@ -1,7 +1,7 @@
 """SampleMatchVerifier: in the runner's `rejection_sampler` slot, the verify side of every step
 (a chain's too): vLLM's call and `SamplerOutput`, with sample-then-match inside
-(`StepSession.sample_and_walk`). It reads the runner's batch and writes the runner's buffers;
-everything else is the session's.
+(`StepSession.sample_and_walk`); a step without drafts goes to vLLM's own `Sampler`. It reads
+the runner's batch and writes the runner's buffers; everything else is the session's.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class SampleMatchVerifier:
     def __call__(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         """In place of vLLM's `RejectionSampler.__call__`."""
         num_draft = list(metadata.num_draft_tokens)
+        if not any(num_draft):  # no drafts this step: drawn as a plain engine draws them
+            self.session.sampled_plain()
+            return self.runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
         batch = self.runner.input_batch
         # the runner's table holds KV-manager blocks of its own block size, which a backend
         # may split into smaller kernel blocks: slots are computed at the table's
