@@ -10,10 +10,14 @@ the median of the later rounds is "steady". The machine's single-core memory ban
 copy, bytes read + written) is measured in the same run and printed beside every ratio, as is
 plain's tokens/s. Writes benchmarks/results/<name>.{json,md,png}.
 
-    python -m benchmarks.never_slower --model smollm2 --name never_slower_smollm2
-    python -m benchmarks.never_slower --model smollm2 --compiled --name never_slower_smollm2_compiled
+    python -m benchmarks.never_slower --model smollm2 --control --rounds 4 \
+        --name never_slower_smollm2
+    python -m benchmarks.never_slower --model smollm2 --compiled --control --rounds 4 \
+        --name never_slower_smollm2_compiled
     python -m benchmarks.never_slower --model qwen-coder-1.5b --kv-cache-gb 2 \
         --name never_slower_qwen
+    python -m benchmarks.never_slower --model qwen-coder-1.5b --kv-cache-gb 2 --compiled \
+        --name never_slower_qwen_compiled
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ def parse_args():
     ap.add_argument("--kv-cache-gb", type=float, default=None)
     ap.add_argument("--compiled", action="store_true",
                     help="vLLM's default mode (compiled with inductor) instead of eager")
+    ap.add_argument("--control", action="store_true",
+                    help="also run a second plain engine, timed like SubSpec's: its ratio to "
+                         "the first (an A/A ratio) is this run's noise between two engines "
+                         "(three Qwen-1.5B engines with 2 GB KV caches do not fit 24 GiB)")
     return ap.parse_args()
 
 
@@ -62,11 +70,13 @@ def main():
     kw["max_num_seqs"] = max(args.concurrency)
     engines = {"plain": LLM(model=model, **kw),
                "subspec": LLM(model=model, speculative_config={"method": "subspec"}, **kw)}
+    if args.control:
+        engines["control"] = LLM(model=model, **kw)
     results = {}
     try:
         for c in args.concurrency:
             batch = prompts[: args.single_prompts] if c == 1 else prompts[:c]
-            rounds = {"plain": [], "subspec": []}
+            rounds = {name: [] for name in engines}
             outputs = {}
             for _ in range(args.rounds):
                 for name, llm in engines.items():
@@ -81,6 +91,9 @@ def main():
                 "identical": sum(a == b for a, b in zip(outputs["subspec"], outputs["plain"])),
                 "requests": len(batch),
             }
+            if args.control:
+                results[c]["control_ratios"] = [x / p for x, p in zip(rounds["control"],
+                                                                       rounds["plain"])]
             print(f"[never_slower] {c} concurrent: {json.dumps(results[c])}", flush=True)
         stats = engines["subspec"].collective_rpc(step_stats)[0]
     finally:
@@ -109,15 +122,22 @@ def markdown(report: dict) -> str:
              f"single-core memory bandwidth {bw['before']:.1f} GB/s before the run and "
              f"{bw['after']:.1f} after (a copy, read + written). Each concurrency: rounds of "
              "plain then SubSpec; \"first\" is its first round (for the first concurrency, "
-             "the first batch after start-up), \"steady\" the median of the later ones.", "",
-             "| concurrent | plain tok/s (first, later) | SubSpec tok/s (first, later) | "
-             "first | steady | identical |", "|---|---|---|---|---|---|"]
+             "the first batch after start-up), \"steady\" the median of the later ones.", ""]
+    control = any("control_ratios" in r for r in report["results"].values())
+    if control:
+        lines += ["A/A control: a second plain engine, started after SubSpec's and timed after "
+                  "it in each round; its ratios to the first plain engine are what two "
+                  "identical engines differ by in this run.", ""]
+    lines += ["| concurrent | plain tok/s (first, later) | SubSpec tok/s (first, later) | "
+              "first | steady | identical |" + (" A/A control, each round |" if control else ""),
+              "|---|---|---|---|---|---|" + ("---|" if control else "")]
     for c, r in report["results"].items():
         t = r["tokens_per_second"]
+        aa = f" {', '.join(f'{x:.2f}' for x in r['control_ratios'])} |" if control else ""
         lines.append(f"| {c} | {', '.join(f'{x:.1f}' for x in t['plain'])} | "
                      f"{', '.join(f'{x:.1f}' for x in t['subspec'])} | "
                      f"**{r['first_ratio']:.2f}x** | **{r['steady_ratio']:.2f}x** | "
-                     f"{r['identical']}/{r['requests']} |")
+                     f"{r['identical']}/{r['requests']} |{aa}")
     s = report["subspec_steps"]
     lines += ["", f"SubSpec's steps over the run: {s.get('draft_steps')} proposals, "
               f"{s.get('plain_steps')} of them plain.", ""]

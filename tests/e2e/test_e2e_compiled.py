@@ -17,7 +17,12 @@ from conftest import make_llm, shutdown
 from vllm import SamplingParams
 
 from subspec_testing.assets import chat_prompts, mt_bench_prompts
-from subspec_testing.harness import assert_identical, draft_compile_state, timed_generate
+from subspec_testing.harness import (
+    assert_identical,
+    draft_compile_state,
+    model_costs_decide,
+    timed_generate,
+)
 from subspec_testing.plain_reference import PlainRun
 from subspec_testing import serve
 from subspec_testing.serve import stop_server, wait_healthy
@@ -60,7 +65,9 @@ def plain(smollm2, prompts, server, plain_references):
     return greedy.token_ids, sampled.token_ids, sampled.texts, greedy.texts
 
 
-def run_compiled(smollm2, prompts, spec, sampled: bool):
+def run_compiled(smollm2, prompts, spec, sampled: bool, model_costs: bool = False):
+    """model_costs: an auto shape decides with fixed costs with which it drafts
+    (`model_costs_decide`; a fresh engine's measured rates decode its first ~150 steps plainly)."""
     from vllm.config import CompilationMode
 
     with pytest.MonkeyPatch.context() as mp:
@@ -68,6 +75,8 @@ def run_compiled(smollm2, prompts, spec, sampled: bool):
         llm = make_llm(smollm2, spec, max_model_len=MAX_MODEL_LEN, **COMPILED)
         try:
             assert llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
+            if model_costs:
+                llm.collective_rpc(model_costs_decide, args=(True,))
             greedy = timed_generate(llm, prompts, GREEDY)
             # the draft forward is compiled too (at start-up, in vLLM's warm-up), in one graph
             state = llm.collective_rpc(draft_compile_state)[0]
@@ -105,8 +114,10 @@ def test_tree_compiled_greedy_and_seeded_identical(smollm2, prompts, plain):
 
 def test_quick_start_llm_compiled_greedy_and_seeded_identical(smollm2, prompts, plain):
     """The README's `LLM(..., speculative_config={"method": "subspec"})`, default mode: the
-    auto shape, greedy and seeded sampled requests as plain's."""
-    greedy, sampled = run_compiled(smollm2, prompts, {"method": "subspec"}, sampled=True)
+    auto shape (deciding with fixed costs with which it drafts: `model_costs_decide`), greedy
+    and seeded sampled requests as plain's."""
+    greedy, sampled = run_compiled(smollm2, prompts, {"method": "subspec"}, sampled=True,
+                                   model_costs=True)
     assert_identical(greedy.token_ids, plain[0])
     assert_identical(sampled, plain[1])
     assert greedy.stats.num_drafts > 0  # it drafted (auto may also decode plainly)

@@ -117,7 +117,13 @@ def test_gpu_start_sequence_walked_on_cpu_then_lossless(default_engine, prompts,
     widest logits and top-k in the profiling pass, where vLLM measures peak memory."""
     llm = default_engine  # first user of the shared engine: the walk runs right after start
     walk = llm.collective_rpc(_walk_gpu_start)[0]
-    result = timed_generate(llm, prompts, GREEDY)
+    # the first steps must draft (a fresh engine's measured rates decode plainly until its
+    # exploration allowance pays a first look): fixed costs with which the tuner drafts
+    llm.collective_rpc(model_costs_decide, args=(True,))
+    try:
+        result = timed_generate(llm, prompts, GREEDY)
+    finally:
+        llm.collective_rpc(model_costs_decide, args=(False,))
     assert walk["drafter_calls"] == [("profile", False), ("capture", True), ("warm-up", False)]
     assert walk["kv_unchanged_by_warm_ups"]
     # the profiling pass ran the draft's widest pass: max_num_seqs x 6 rows of logits

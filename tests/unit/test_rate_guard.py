@@ -3,6 +3,7 @@
 import pytest
 
 from vllm_subspec.step.rate_guard import (
+    ALLOWANCE_CAP_STEPS,
     EXPLORE_BUDGET,
     FAR_AHEAD,
     MIN_STEPS,
@@ -77,3 +78,17 @@ def test_the_allowance_grows_with_time_and_pays_for_drafting_losses_against_plai
     fresh = RateGuard()
     fresh.add(True, 2, 1, 1.0)
     assert fresh.allowance(2) == pytest.approx(EXPLORE_BUDGET * 1.0)
+
+
+def test_the_allowance_saves_up_at_most_a_few_plain_steps():
+    """A long plain stretch is not spent at once: the allowance stops at ALLOWANCE_CAP_STEPS
+    plain steps' time, and what drafting lost is taken from that, not from the whole run's."""
+    guard = RateGuard()
+    for _ in range(10_000):
+        guard.add(False, 4, 4, 0.01)  # plain: 400 tok/s, 10 ms a step for 100 s
+    assert guard.allowance(4) == pytest.approx(ALLOWANCE_CAP_STEPS * 0.01)
+    assert EXPLORE_BUDGET * guard.elapsed[4] > 10 * ALLOWANCE_CAP_STEPS * 0.01
+    guard.add(True, 4, 4, 0.03)  # the tokens of one plain step in three: 20 ms lost
+    assert guard.allowance(4) == pytest.approx((ALLOWANCE_CAP_STEPS - 2) * 0.01
+                                               + EXPLORE_BUDGET * 0.03)
+    assert guard.lost[4] == pytest.approx(0.02)

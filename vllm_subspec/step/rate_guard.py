@@ -22,6 +22,9 @@ PLAIN_PROBE_EVERY_FAR, FAR_AHEAD = 512, 1.5
 # may cost at most this share of a batch size's decoding time: what it loses against plain's
 # measured rate is spent from an allowance that grows with every step's time (`allowance`)
 EXPLORE_BUDGET = 0.02
+# ... and the allowance saves up at most this many plain steps' time, so a long plain stretch
+# is not spent at once: a run of n steps loses at most about this + EXPLORE_BUDGET * n steps
+ALLOWANCE_CAP_STEPS = 4.0  # (above shape_tuner.EXPLORE_COST: a capped step stays affordable)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -39,9 +42,11 @@ class RateGuard:
         self.seconds: dict[tuple[bool, int], float] = {}
         self.steps: dict[tuple[bool, int], float] = {}
         # per batch bucket: every step's seconds, and the seconds drafting steps took beyond
-        # what plain's measured rate needs for their tokens (negative: gained), undecayed
+        # what plain's measured rate needs for their tokens (negative: gained), undecayed (for
+        # diagnostics: the allowance is `balance`)
         self.elapsed: dict[int, float] = {}
         self.lost: dict[int, float] = {}
+        self.balance: dict[int, float] = {}  # the allowance (`allowance`)
 
     def add(self, drafted: bool, batch_size: int, tokens: int, seconds: float,
             exploring: bool = False) -> None:
@@ -52,13 +57,18 @@ class RateGuard:
         bucket = batch_bucket(batch_size)
         self.elapsed[bucket] = self.elapsed.get(bucket, 0.0) + seconds
         plain = self.rate(False, batch_size)
-        if drafted and plain:
-            self.lost[bucket] = self.lost.get(bucket, 0.0) + seconds - tokens / plain
+        lost = seconds - tokens / plain if drafted and plain else 0.0
+        self.lost[bucket] = self.lost.get(bucket, 0.0) + lost
         key = ("explore" if exploring else drafted, bucket)
         d = self.decay
         self.tokens[key] = d * self.tokens.get(key, 0.0) + tokens
         self.seconds[key] = d * self.seconds.get(key, 0.0) + seconds
         self.steps[key] = self.steps.get(key, 0.0) + 1.0
+        balance = self.balance.get(bucket, 0.0) + EXPLORE_BUDGET * seconds - lost
+        plain = self.rate(False, batch_size)  # (with this step: the cap follows plain's rate)
+        if plain:
+            balance = min(balance, ALLOWANCE_CAP_STEPS * batch_size / plain)
+        self.balance[bucket] = balance
 
     def rate(self, drafted: bool, batch_size: int) -> float | None:
         """Measured tokens/s of that kind of step at this batch size; None until measured."""
@@ -70,9 +80,9 @@ class RateGuard:
     def allowance(self, batch_size: int) -> float:
         """Seconds that drafting not yet measured faster may still lose at this batch size:
         EXPLORE_BUDGET of the time its steps have run, less what drafting steps lost against
-        plain's measured rate (plus what they gained)."""
-        bucket = batch_bucket(batch_size)
-        return EXPLORE_BUDGET * self.elapsed.get(bucket, 0.0) - self.lost.get(bucket, 0.0)
+        plain's measured rate (plus what they gained), saved up to ALLOWANCE_CAP_STEPS plain
+        steps' time."""
+        return self.balance.get(batch_bucket(batch_size), 0.0)
 
     def verdict(self, batch_size: int) -> bool | None:
         """True: drafting measured faster than plain at this batch size; False: slower; None:

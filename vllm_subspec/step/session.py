@@ -83,6 +83,9 @@ class PositionWrites:
     positions: np.ndarray  # [W] int64 their positions, L + depth
 
 
+NO_POSITION_WRITES = PositionWrites(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
 class StepSession:
     def __init__(self, options: SubSpecOptions, tuner: ShapeTuner | None = None,
                  clock: Callable[[], float] = time.perf_counter):
@@ -262,6 +265,8 @@ class StepSession:
         position rewrites of the verify forward (vLLM's chain positions L + i -> L + depth)."""
         drafted, self.pending = self.pending, {}  # a tree is verified at most once
         self.verifying, self._verify_plan, self._plan = {}, None, None  # (a plan is one step's)
+        if not requests:  # a plain step
+            return NO_POSITION_WRITES
         rows, starts, counts, widths, roots = [], [], [], [], []
         for r in requests:
             stored = drafted.get(r.req_id)

@@ -234,13 +234,12 @@ class ShapeTuner:
                 self._explored_shape = False
             elif (self.auto_width and self.depth != 0
                   and self.steps % (RECHOOSE_EVERY * REEXPLORE_EVERY) == 0
-                  and self._affordable(min(self.widths, key=lambda w: self.last_run[w]),
-                                       self.drafting[1], batch_size)):
+                  and (stale_depth := self._stale_depth(batch_size))):
                 # one step of the least recently run width keeps its statistics current
                 stale = min(self.widths, key=lambda w: self.last_run[w])
                 self.last_run[stale] = self.steps
                 self._exploring = self.auto_depth
-                return StepPlan(TreeShape(stale, self.drafting[1]), self.auto_depth, True)
+                return StepPlan(TreeShape(stale, stale_depth), self.auto_depth, True)
         if self.depth == 0:  # plain decoding is faster: draft only in probe steps
             if self.steps < self.next_probe:
                 return plain_step
@@ -285,6 +284,16 @@ class ShapeTuner:
         self._exploring = full or self._exploring
         return StepPlan(TreeShape(self.width, depth), True, full)
 
+    def _stale_depth(self, batch_size: int) -> int:
+        """The depth of the least recently run width's step: the drafting shape's, capped like
+        an exploration step (`_explore_depth`: with measured rates); 0 where it is capped away
+        or the allowance does not cover it."""
+        stale = min(self.widths, key=lambda w: self.last_run[w])
+        depth = self.drafting[1]
+        if self.measure_rates and self.auto_depth:
+            depth = self._explore_depth(stale, depth, batch_size)
+        return depth if depth and self._affordable(stale, depth, batch_size) else 0
+
     def _explore_width(self, unexplored: list[int], batch_size: int) -> int:
         """The width to explore next: the widest unexplored one; for the first look (no verify
         timed yet, measured rates on), the widest whose depth has at most EXPLORE_ROWS rows
@@ -302,13 +311,16 @@ class ShapeTuner:
         (`RateGuard.allowance`): what it is predicted to lose against plain's measured rate
         (its predicted seconds less the time plain needs for its predicted tokens), and is
         not overdrawn (a predicted gain is not yet a measured one). Before any verify is
-        timed: while nothing is lost."""
+        timed (the first look): once the allowance covers EXPLORE_COST plain steps, what an
+        exploration step may cost (on a CPU, one depth over 8 requests took ~3.4)."""
         if not self.measure_rates:
             return True
         allowance, plain = self.guard.allowance(batch_size), self.guard.rate(False, batch_size)
         known = [w for w in self.widths if self.verify[w].known]
-        if plain is None or not known:
+        if plain is None:
             return allowance >= 0.0
+        if not known:
+            return allowance >= EXPLORE_COST * batch_size / plain
         rows = batch_size * width
         seconds = self._step_seconds_like(width if width in known else max(known), batch_size,
                                           depth - 1, (depth - 1) * rows, depth * rows)

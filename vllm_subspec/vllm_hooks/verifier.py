@@ -23,7 +23,10 @@ class SampleMatchVerifier:
 
     def prepare_verify(self, scheduler_output) -> None:
         """After vLLM's `_prepare_inputs` laid the scheduled drafts out as a chain."""
-        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec:  # a plain step: nothing to lay out
+            self.session.prepare_verify([])
+            return
         runner, batch = self.runner, self.runner.input_batch
         requests = [VerifyRequest(i, req_id, list(spec[req_id]),
                                   int(batch.num_computed_tokens_cpu[i]),
