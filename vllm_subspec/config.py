@@ -27,6 +27,15 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
     }
 )
+# Sparse mixture-of-experts targets: routed experts get 4-bit substitutes (experts.py), on
+# vLLM's CPU backend (no CUDA kernel for them yet).
+SUPPORTED_MOE_ARCHITECTURES = frozenset(
+    {
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
+)
 
 SUBSTITUTE_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -271,19 +280,34 @@ def _is_int(x: Any) -> bool:
 def check_target_supported(hf_config: Any, tensor_parallel_size: int, pipeline_parallel_size: int):
     """Reject targets SubSpec cannot draft for, with one clear message."""
     archs = list(getattr(hf_config, "architectures", None) or [])
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    moe = [a for a in archs if a in SUPPORTED_MOE_ARCHITECTURES]
+    if not moe and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise SubSpecConfigError(
             f"unsupported architecture {archs}; SubSpec supports dense decoder-only models "
-            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            f"{sorted(SUPPORTED_ARCHITECTURES)} and mixture-of-experts models "
+            f"{sorted(SUPPORTED_MOE_ARCHITECTURES)} (these on vLLM's CPU backend)"
         )
     moe_keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
-    if any(getattr(hf_config, k, None) for k in moe_keys):
-        raise SubSpecConfigError("mixture-of-experts models are not supported by SubSpec")
-    if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+    if not moe and any(getattr(hf_config, k, None) for k in moe_keys):
         raise SubSpecConfigError(
-            "SubSpec runs on a single device: tensor_parallel_size and pipeline_parallel_size "
-            f"must be 1 (got {tensor_parallel_size} and {pipeline_parallel_size})"
-        )
+            f"this {archs} checkpoint has mixture-of-experts settings; SubSpec supports "
+            f"mixture-of-experts models {sorted(SUPPORTED_MOE_ARCHITECTURES)}")
+    if moe and not _platform_is_cpu():
+        raise SubSpecConfigError(
+            f"mixture-of-experts targets ({moe[0]}) run with SubSpec on vLLM's CPU backend "
+            "only: their routed experts' 4-bit substitutes have no CUDA kernel yet "
+            "(docs/moe.md). On CUDA, serve this model without --speculative-config, or a "
+            "dense model with SubSpec")
+    if pipeline_parallel_size != 1:
+        raise SubSpecConfigError(
+            f"SubSpec does not run with pipeline parallelism (pipeline_parallel_size "
+            f"{pipeline_parallel_size}): the draft's passes run every layer on one stage. Use "
+            "tensor parallelism (--tensor-parallel-size) instead")
+    if tensor_parallel_size != 1 and moe:
+        raise SubSpecConfigError(
+            f"mixture-of-experts targets ({moe[0]}) run with SubSpec on one device only "
+            f"(tensor_parallel_size {tensor_parallel_size}); dense targets run with tensor "
+            "parallelism. Use --tensor-parallel-size 1")
 
 
 def options_from_vllm_config(vllm_config: Any) -> SubSpecOptions | None:

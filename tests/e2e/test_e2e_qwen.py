@@ -69,3 +69,36 @@ def test_qwen_greedy_identical(qwen, prompts, plain_ids, shape):
                   for i, (a, b) in enumerate(zip(result.token_ids, plain_ids)) if a != b}
     assert not mismatches, f"prompt -> first divergent token: {mismatches}"
     assert result.stats.num_drafts > 0 and result.stats.tau > 1.5
+
+
+SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=NEW_TOKENS,
+                         ignore_eos=True) for i in range(NUM_PROMPTS)]
+
+
+def test_qwen_tensor_parallel_2_identical(qwen, prompts, monkeypatch):
+    """TP=2 (one core a rank; Qwen's 2 KV heads: one a rank): SubSpec with a tree and a chain
+    against a TP=2 plain engine, greedy and seeded (substitutes from each rank's shard)."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("TP=2 on CPU binds one core per rank")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    tp2 = dict(ENGINE, tensor_parallel_size=2)
+    llm = make_llm(qwen, **tp2)
+    try:
+        plain = [timed_generate(llm, prompts, p, spec=False).token_ids for p in (GREEDY, SEEDED)]
+    finally:
+        shutdown(llm)
+    for shape in ({"num_speculative_tokens": 6}, {"tree_width": 4, "tree_depth": 6}):
+        spec = {"method": "subspec", "substitute_layers": "all", "quantizer": "rtn", **shape}
+        llm = make_llm(qwen, spec, **tp2)
+        try:
+            runs = [timed_generate(llm, prompts, p) for p in (GREEDY, SEEDED)]
+        finally:
+            shutdown(llm)
+        for run, reference in zip(runs, plain):
+            mismatches = {i: first_divergence(a, b)
+                          for i, (a, b) in enumerate(zip(run.token_ids, reference)) if a != b}
+            assert not mismatches, f"{shape}: prompt -> first divergent token: {mismatches}"
+            assert run.stats.num_drafts > 0
+        assert runs[0].stats.tau > 1.5

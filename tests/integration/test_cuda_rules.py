@@ -23,8 +23,8 @@ CHAIN = {"method": "subspec", "num_speculative_tokens": 4}
 OFFLOAD = dict(cpu_offload_gb=0.001)
 
 
-def cuda_config(monkeypatch, model, spec, capability=(9, 0), **kw):
-    fake = installed(monkeypatch, capability)
+def cuda_config(monkeypatch, model, spec, capability=(9, 0), devices=1, **kw):
+    fake = installed(monkeypatch, capability, devices)
     args = EngineArgs(model=model, speculative_config=dict(spec), max_model_len=512,
                       **{"dtype": "bfloat16", **kw})
     return args.create_engine_config(), fake
@@ -192,6 +192,30 @@ def test_unreadable_kv_is_refused_for_trees_on_every_platform(monkeypatch, tmp_p
     with pytest.raises(SubSpecConfigError, match="kv_cache_dtype 'fp8' is not supported"):
         config(tiny_llama, TREE, kv_cache_dtype="fp8")
     assert config(model, CHAIN).speculative_config.method == "draft_model"
+
+
+def test_tensor_parallel_engine_config_on_cuda(monkeypatch):
+    """TP=2 on CUDA: SubSpec's worker and rules apply, and `--cpu-offload-gb N` (per GPU) is
+    planned against each GPU's shard of a layer: more layers than TP=1 for the same N."""
+    from transformers import AutoConfig
+
+    from subspec_testing.assets import tiny_model_path
+    from vllm_subspec.vllm_hooks.prefetch_plan import decoder_layer_bytes
+
+    model = tiny_model_path(num_layers=16)
+    gb = 2 * decoder_layer_bytes(AutoConfig.from_pretrained(model), 2) / 2**30  # two layers
+    plans = {}
+    for tp in (1, 2):
+        cfg, _ = cuda_config(monkeypatch, model, TREE, devices=2, cpu_offload_gb=gb,
+                             tensor_parallel_size=tp)
+        assert cfg.parallel_config.tensor_parallel_size == tp
+        assert cfg.parallel_config.worker_cls.startswith("vllm_subspec.")
+        prefetch = cfg.offload_config.prefetch
+        if cfg.offload_config.offload_backend == "prefetch":
+            plans[tp] = sum(i % prefetch.offload_group_size
+                            >= prefetch.offload_group_size - prefetch.offload_num_in_group
+                            for i in range(16))
+    assert 0 < plans[1] < plans[2]
 
 
 def test_cpu_offload_gb_runs_through_the_prefetch_offloader(monkeypatch, tiny_llama):

@@ -76,14 +76,31 @@ def test_quantized_target_rejected_before_loading(tiny_llama):
         engine_config(tiny_llama, {"method": "subspec"}, quantization="fp8")
 
 
-def test_moe_architecture_rejected(tmp_path):
+def test_unsupported_moe_architecture_rejected_supported_one_accepted(tmp_path, moe_model):
     from transformers import MixtralConfig
 
     MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
                   architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path)
-    with pytest.raises(SubSpecConfigError, match="unsupported architecture"):
-        engine_config(str(tmp_path), {"method": "subspec"}, skip_tokenizer_init=True)
+    config = engine_config(str(tmp_path), {"method": "subspec"}, skip_tokenizer_init=True)
+    assert config.speculative_config is not None  # on this CPU backend: SubSpec is on
+    with pytest.raises(SubSpecConfigError, match=r"unsupported architecture "
+                       r"\['OlmoeForCausalLM'\].*mixture-of-experts models"):
+        engine_config(moe_model, {"method": "subspec"}, skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (dict(enable_lora=True), "--enable-lora"),
+    (dict(enable_return_routed_experts=True), "--enable-return-routed-experts"),
+], ids=["lora", "routed_experts"])
+def test_moe_target_refuses_what_rewires_its_routing(tmp_path, extra, flag):
+    from transformers import MixtralConfig
+
+    MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                  architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(SubSpecConfigError, match=rf"without {flag}"):
+        engine_config(str(tmp_path), {"method": "subspec"}, skip_tokenizer_init=True, **extra)
 
 
 def test_v2_runner_env_rejected(tiny_llama, monkeypatch):
@@ -94,12 +111,13 @@ def test_v2_runner_env_rejected(tiny_llama, monkeypatch):
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
-    from transformers import MixtralConfig
+    """A mixture-of-experts architecture SubSpec does not serve (OLMoE)."""
+    from transformers import OlmoeConfig
 
     path = tmp_path_factory.mktemp("moe")
-    MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
-                  architectures=["MixtralForCausalLM"]).save_pretrained(path)
+    OlmoeConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, num_experts=2,
+                num_experts_per_tok=1, architectures=["OlmoeForCausalLM"]).save_pretrained(path)
     return str(path)
 
 
@@ -124,3 +142,15 @@ def test_vllm_serve_misconfiguration_exits_before_loading(tiny_llama, moe_model,
     assert message in out
     assert out.count("vllm-subspec:") <= 1  # one message, not one per process or retry
     assert "Loading weights" not in out and "Starting to load model" not in out
+
+
+def test_context_parallelism_refused(tiny_llama):
+    from vllm_subspec.vllm_hooks.engine_rules import _refuse_context_parallel
+    from vllm.config import ParallelConfig
+
+    _refuse_context_parallel(ParallelConfig())  # the default: no context parallelism
+    for field in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        config = ParallelConfig()
+        object.__setattr__(config, field, 2)
+        with pytest.raises(SubSpecConfigError, match="context parallelism"):
+            _refuse_context_parallel(config)

@@ -11,7 +11,7 @@ import types
 from vllm.platforms.interface import DeviceCapability
 
 
-def installed(monkeypatch, capability=(9, 0)):
+def installed(monkeypatch, capability=(9, 0), devices=1):
     # platforms/cuda.py imports this CUDA extension at import time (0.32.0 :23)
     if "vllm._C_stable_libtorch" not in sys.modules:
         monkeypatch.setitem(sys.modules, "vllm._C_stable_libtorch",
@@ -41,7 +41,7 @@ def installed(monkeypatch, capability=(9, 0)):
 
         @classmethod
         def device_count(cls):
-            return 1
+            return devices
 
         @classmethod
         def is_fully_connected(cls, ids):

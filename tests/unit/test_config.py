@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from vllm_subspec import config as config_module
 from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
 
 
@@ -109,3 +110,42 @@ def test_resolve_layers():
     assert SubSpecOptions.from_dict({"substitute_layers": [2, 0]}).resolve_layers(3, []) == [0, 2]
     with pytest.raises(SubSpecConfigError, match="out of range"):
         SubSpecOptions.from_dict({"substitute_layers": [5]}).resolve_layers(3, [])
+
+
+# ---- targets --------------------------------------------------------------------------------
+def _hf(arch, **extra):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(architectures=[arch], **extra)
+
+
+@pytest.mark.parametrize("arch", sorted(config_module.SUPPORTED_MOE_ARCHITECTURES))
+def test_moe_targets_accepted_on_cpu_refused_on_cuda(arch, monkeypatch):
+    monkeypatch.setattr(config_module, "_platform_is_cpu", lambda: True)
+    config_module.check_target_supported(_hf(arch, num_experts=8), 1, 1)
+    monkeypatch.setattr(config_module, "_platform_is_cpu", lambda: False)
+    with pytest.raises(SubSpecConfigError, match=rf"mixture-of-experts targets \({arch}\) run "
+                       r"with SubSpec on vLLM's CPU backend only.*without --speculative-config"):
+        config_module.check_target_supported(_hf(arch, num_experts=8), 1, 1)
+
+
+def test_other_moe_architectures_refused_naming_the_supported_ones(monkeypatch):
+    monkeypatch.setattr(config_module, "_platform_is_cpu", lambda: True)
+    with pytest.raises(SubSpecConfigError, match=r"unsupported architecture \['OlmoeForCausalLM'\]"
+                       r".*mixture-of-experts models \['MixtralForCausalLM', "
+                       r"'Qwen2MoeForCausalLM', 'Qwen3MoeForCausalLM'\]"):
+        config_module.check_target_supported(_hf("OlmoeForCausalLM", num_experts=8), 1, 1)
+    # a dense architecture name over a checkpoint with experts
+    with pytest.raises(SubSpecConfigError, match="has mixture-of-experts settings"):
+        config_module.check_target_supported(_hf("LlamaForCausalLM", num_local_experts=8), 1, 1)
+    config_module.check_target_supported(_hf("LlamaForCausalLM"), 1, 1)
+
+
+def test_parallel_configurations(monkeypatch):
+    monkeypatch.setattr(config_module, "_platform_is_cpu", lambda: True)
+    config_module.check_target_supported(_hf("Qwen2ForCausalLM"), 2, 1)  # dense: TP is served
+    with pytest.raises(SubSpecConfigError, match=r"pipeline parallelism.*Use tensor parallelism"):
+        config_module.check_target_supported(_hf("Qwen2ForCausalLM"), 1, 2)
+    with pytest.raises(SubSpecConfigError, match=r"one device only \(tensor_parallel_size 2\).*"
+                       r"--tensor-parallel-size 1"):
+        config_module.check_target_supported(_hf("MixtralForCausalLM", num_local_experts=4), 2, 1)

@@ -214,3 +214,40 @@ def test_the_adaptive_stop_reads_landed_masses_without_waiting(polls):
     assert passes.copies == ([4, 8, 12] if polls == 1 else [4, 12])
     # request 0 stops at the check that saw depth 4's masses: depth 8 (or 12 if it landed late)
     assert draft.reached == [8 if polls == 1 else 12, 16, 16]
+
+
+class HostPasses(MetaPasses):
+    """`MetaPasses` whose tensors hold values (on the host) while it says it is a device:
+    a blocking read returns them; its copies never land."""
+
+    @staticmethod
+    def _hidden(rows: int) -> torch.Tensor:
+        return torch.zeros(rows, 16)
+
+    def logits(self, hidden, lm_head):
+        return torch.zeros(hidden.shape[0], VOCAB)
+
+    def bonus_pass(self, next_token_ids):
+        return self._hidden(self.batch_size), torch.tensor(self.bounds)
+
+
+def test_tensor_parallel_reads_wait_so_every_rank_checks_at_the_same_depths():
+    """With blocking reads (tensor parallelism: when a copy lands is one rank's timing) the
+    adaptive stop sees each check's own masses, whatever the copies do: the same depths on
+    every rank."""
+    passes = HostPasses([5, 20, 9])
+    passes.polls_to_land = 10 ** 6  # a non-blocking copy would never be read
+    asked = []
+
+    def drafting_next(log_mass, reached):
+        asked.append(log_mass.shape[1] - 1)
+        return [i for i, r in enumerate(reached) if r == log_mass.shape[1] - 1 and i != 0]
+
+    draft = draft_tree(passes, torch.zeros(3, dtype=torch.int64), TreeShape(2, 16),
+                       temperature=1.0, drafting_next=drafting_next, blocking_reads=True)
+    assert asked == [4, 8, 12] and passes.copies == []
+    assert draft.reached == [4, 16, 16]  # request 0 stops at the first check itself
+    unshared = []
+    draft_tree(passes, torch.zeros(3, dtype=torch.int64), TreeShape(2, 16), temperature=1.0,
+               drafting_next=lambda m, r: unshared.append(1) or [0, 1, 2])
+    assert unshared == []  # non-blocking: no copy ever landed, so no check was read

@@ -50,3 +50,26 @@ def test_host_work_is_read_from_the_step_host_results(tmp_path):
     assert measured_host_ms(10, batch=8, path=path) == pytest.approx(4.0 + 10 * 0.3)
     slower = dataclasses.replace(PAPER, host_ms=measured_host_ms(48, path=path))
     assert projected_speedup(27.08, 48, slower) < projected_speedup(27.08, 48, PAPER)
+
+
+# ---- MoE offload economics (benchmarks/moe_offload.py) ----------------------------------------
+def test_moe_offload_bytes_per_backend():
+    from benchmarks.moe_offload import (QWEN3_30B_A3B, economics, experts_touched,
+                                        offloaded_layers, step_bytes)
+
+    q = QWEN3_30B_A3B
+    assert abs((q.layers * q.layer_bytes + q.embedding_bytes) / 1e9 - 61.1) < 0.1  # its size
+    assert experts_touched(q, 1) == q.top_k  # a decode step reads its k routed experts
+    touched = [experts_touched(q, n) for n in (1, 2, 8, 64, 289)]
+    assert touched == sorted(touched) and q.experts - touched[-1] < 1e-3
+    off = offloaded_layers(q, 24.0, 0.28, 4.0)
+    assert 0 < off <= q.layers
+    # prefetch streams every expert whatever the tokens; UVA reads what the routing touches
+    assert step_bytes(q, "prefetch", 1, off) == step_bytes(q, "prefetch", 289, off)
+    for n in (1, 8, 289):
+        assert step_bytes(q, "uva", n, off) <= step_bytes(q, "prefetch", n, off)
+    report = economics(q, 24.0, 25.0, 0.28, 4.0)
+    taus = [row["uva_break_even_tau"] for row in report["rows"]]
+    assert taus[0] == 1.0 and taus == sorted(taus)  # wider verifies need more accepted tokens
+    assert report["rows"][-1]["uva_break_even_tau"] == report["rows"][-1][
+        "prefetch_break_even_tau"]  # once every expert is touched, both stream everything

@@ -568,3 +568,23 @@ def test_each_step_is_planned_once_and_a_plain_plan_is_the_whole_proposal():
     n = len(plans)
     session.propose(StubPasses([9]), ["x"], torch.tensor([3]), options.num_draft_tokens)
     assert len(plans) == n + 1
+
+
+def test_tensor_parallel_ranks_take_the_shared_decision():
+    """`share` (tensor parallelism: rank 0's decision, broadcast) decides the step: the plan
+    the session follows is the one `share` returns, not its own tuner's."""
+    from vllm_subspec.step.shape_tuner import StepPlan
+    from vllm_subspec.step.tree import TreeShape
+
+    seen = []
+    rank0 = StepPlan(TreeShape(4, 3), adaptive=True, full_depth=True)
+
+    def share(decision):
+        seen.append(decision)
+        return rank0 if isinstance(decision, StepPlan) else decision
+
+    session = StepSession.from_options(SubSpecOptions.from_dict({}), share=share)
+    plan = session.plan_step(["a", "b"])
+    assert plan is rank0 and len(seen) == 1 and isinstance(seen[0], StepPlan)
+    assert session.stats.plain_steps == 0  # this rank's tuner would have waited (plain)
+    assert seen[0].shape.depth == 0

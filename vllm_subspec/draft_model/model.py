@@ -1,7 +1,8 @@
 """The draft model: the target model in "draft mode". Embedding, final norm and every
 non-substituted decoder layer are the target's own modules, the lm_head the target's or the
 draft's quantized copy. A substituted layer is a copy of the target layer that shares its
-`Attention` (hence its KV cache) and rotary embedding and runs `SubstituteLinear`s.
+`Attention` (hence its KV cache), rotary embedding and MoE router, and runs `SubstituteLinear`s
+(and `SubstituteExperts` for a sparse MoE block's experts).
 
 Design: docs/substitutes.md, "The draft model".
 """
@@ -13,6 +14,7 @@ import copy
 import torch
 from torch import nn
 
+from vllm_subspec.draft_model.experts import SubstituteExperts, moe_runner
 from vllm_subspec.draft_model.substitute import SubstituteLinear
 
 
@@ -20,29 +22,64 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
 
-def linear_owner(layer: nn.Module, name: str) -> nn.Module:
-    """The module of a decoder layer holding its fused linear `name`."""
-    return layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
+def layer_linear_names(layer: nn.Module) -> list[str]:
+    """The fused linears of a decoder layer that get a substitute: attention's, then the dense
+    MLP's, or in a sparse MoE layer its shared expert's (the routed experts: experts.py)."""
+    names = ["qkv_proj", "o_proj"]
+    moe = moe_runner(layer)
+    if moe is None:
+        return names + ["gate_up_proj", "down_proj"]
+    if getattr(moe[0], "shared_expert", None) is not None:
+        names += ["shared_expert.gate_up_proj", "shared_expert.down_proj"]
+    return names
+
+
+def layer_linear(layer: nn.Module, name: str) -> nn.Module:
+    """A decoder layer's fused linear `name` (a `layer_linear_names` entry)."""
+    if name in ("qkv_proj", "o_proj"):
+        return getattr(layer.self_attn, name)
+    if name.startswith("shared_expert."):
+        return getattr(moe_runner(layer)[0].shared_expert, name.split(".", 1)[1])
+    return getattr(layer.mlp, name)
 
 
 def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear],
-                     device: torch.device) -> nn.Module:
-    """A copy of `layer` on `device` that runs `linears` and shares the target's attention and
-    rotary embedding."""
+                     device: torch.device, experts: SubstituteExperts | None = None
+                     ) -> nn.Module:
+    """A copy of `layer` on `device` that runs `linears` (and `experts` in place of a sparse
+    MoE block's runner) and shares the target's attention, rotary embedding and router."""
     attn = layer.self_attn
     shared: dict[int, object] = {id(attn.attn): attn.attn}
     if hasattr(attn, "rotary_emb"):
         shared[id(attn.rotary_emb)] = attn.rotary_emb
     for name, sub in linears.items():
-        shared[id(getattr(linear_owner(layer, name), name))] = sub
+        shared[id(layer_linear(layer, name))] = sub
+    moe = moe_runner(layer)
+    if moe is not None:
+        block, _, runner = moe
+        if experts is None:
+            raise ValueError("vllm-subspec: a sparse MoE layer needs its expert substitutes")
+        shared[id(runner)] = experts
+        for router_part in ("gate", "shared_expert_gate"):  # the target's, shared
+            module = getattr(block, router_part, None)
+            if module is not None:
+                shared[id(module)] = module
+        # The block's plain attributes (process groups, configs: Mixtral keeps its expert-
+        # parallel group) are shared, not copied.
+        for name, value in vars(block).items():
+            if not name.startswith("_"):
+                shared[id(value)] = value
     # deepcopy with a pre-seeded memo: the shared objects map to themselves (or to their
     # substitute) and are not copied; everything else (norms, activations) is small and copied.
-    shared_modules = {id(m) for obj in shared.values() for m in obj.modules()}
+    shared_modules = {id(m) for obj in shared.values() if isinstance(obj, nn.Module)
+                      for m in obj.modules()}
     clone = copy.deepcopy(layer, memo=shared)  # (fills the memo with every copied object)
     for m in clone.modules():
         # Offloaders install an instance-level `forward` hook on the target layer; the copy must
         # call its class forward, never the hook (which would fetch the offloaded weights).
-        m.__dict__.pop("forward", None)
+        # (The shared modules are the target's: left as they are.)
+        if id(m) not in shared_modules:
+            m.__dict__.pop("forward", None)
     # The prefetch offloader keeps an offloaded layer's norms in CPU memory (it serves them from
     # its GPU slots), so the copy moves its own small tensors to the draft's device; the shared
     # modules are left alone (the offloader manages their tensors).
@@ -54,6 +91,8 @@ def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear],
                 moved = t.detach().to(device)
                 setattr(m, name, nn.Parameter(moved, requires_grad=False)
                         if isinstance(t, nn.Parameter) else moved)
+    if moe is not None:  # the copy's shared expert runs its substitutes (Qwen2-MoE)
+        experts.__dict__["shared_expert"] = getattr(getattr(clone, moe[1]), "shared_expert", None)
     return clone
 
 
@@ -114,7 +153,7 @@ class DraftModel(nn.Module):
         self.__dict__["target"] = target
         base = decoder_layers(target)
         self.__dict__["layers"] = [
-            substitute_layer(layer, substitutes.layers[i], device)
+            substitute_layer(layer, substitutes.layers[i], device, substitutes.experts.get(i))
             if i in substitutes.layers else layer
             for i, layer in enumerate(base)
         ]
@@ -144,7 +183,12 @@ class DraftModel(nn.Module):
         if self.lm_head is None or head == "target":
             return self.target.compute_logits(hidden_states)
         lp = self.target.logits_processor
-        logits = self.lm_head(hidden_states)[0][..., : lp.org_vocab_size]
+        logits = self.lm_head(hidden_states)[0]
+        if getattr(self.target.lm_head, "tp_size", 1) > 1:  # each rank holds a shard of the vocabulary
+            from vllm.distributed import tensor_model_parallel_all_gather
+
+            logits = tensor_model_parallel_all_gather(logits)
+        logits = logits[..., : lp.org_vocab_size]
         if lp.soft_cap is not None:
             logits = torch.tanh(logits / lp.soft_cap) * lp.soft_cap
         if lp.scale != 1.0:

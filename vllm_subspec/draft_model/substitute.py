@@ -17,9 +17,12 @@ class SubstituteLinear(torch.nn.Module):
     """Stands in for a vLLM linear inside the draft: same call convention, low-bit weights."""
 
     def __init__(self, kernel, bias: torch.Tensor | None, source_name: str = "",
-                 in_features: int = 0):
+                 in_features: int = 0, all_reduce: bool = False):
+        """all_reduce: it stands in for a tensor-parallel row-parallel linear whose partial
+        products vLLM sums over the ranks (`RowParallelLinear.forward`): so does it."""
         super().__init__()
         self.kernel = kernel
+        self.all_reduce = all_reduce
         self.in_features = in_features
         # Biases are tiny; copy them so the substitute never reads offloaded memory.
         self.bias = None if bias is None else bias.detach().clone()
@@ -27,7 +30,11 @@ class SubstituteLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor):
         y = self.kernel(x)
-        if self.bias is not None:
+        if self.all_reduce:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            y = tensor_model_parallel_all_reduce(y)
+        if self.bias is not None:  # once, after the sum (vLLM adds it on rank 0 before)
             y = y + self.bias
         return y, None  # vLLM linears return (output, output_bias)
 
@@ -73,5 +80,12 @@ def substitute_from_quantized(qw: QuantizedWeight, linear: torch.nn.Module,
     else:
         built = cls(qw, linear.weight.dtype)
     bias = getattr(linear, "bias", None)
+    tp_size = getattr(linear, "tp_size", 1)
+    if tp_size > 1 and (getattr(linear, "gather_output", False)
+                        or getattr(linear, "input_is_parallel", True) is False):
+        raise ValueError(f"vllm-subspec: {name} gathers its output or splits its input over "
+                         "tensor-parallel ranks; SubSpec substitutes only linears that keep "
+                         "their shard")
     return SubstituteLinear(built, None if bias is None else bias.data.to(device), name,
-                            in_features=qw.shape[1])
+                            in_features=qw.shape[1],
+                            all_reduce=tp_size > 1 and getattr(linear, "reduce_results", False))

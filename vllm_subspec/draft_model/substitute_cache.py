@@ -126,6 +126,8 @@ class SubstituteCache:
     group_size: int
     quantizer: str
     versions: dict[str, str] = dataclasses.field(default_factory=_versions)
+    # (rank, size) under tensor parallelism: each rank quantizes its own shard of a linear
+    shard: tuple[int, int] = (0, 1)
     hits: int = 0
     misses: int = 0
     rebuilt: int = 0  # misses caused by an unreadable or mismatched entry
@@ -152,11 +154,14 @@ class SubstituteCache:
 
     def key(self, layer: int, name: str, shape, dtype: torch.dtype,
             device: torch.device) -> dict:
-        return {"weights": self.fingerprint, "layer": int(layer), "linear": name,
-                "shape": [int(s) for s in shape], "dtype": str(dtype),
-                "device": torch.device(device).type, "bits": self.bits,
-                "group_size": self.group_size, "quantizer": self.quantizer,
-                "versions": self.versions}
+        key = {"weights": self.fingerprint, "layer": int(layer), "linear": name,
+               "shape": [int(s) for s in shape], "dtype": str(dtype),
+               "device": torch.device(device).type, "bits": self.bits,
+               "group_size": self.group_size, "quantizer": self.quantizer,
+               "versions": self.versions}
+        if self.shard[1] > 1:  # (one device's keys stay as they were)
+            key["tensor_parallel_shard"] = list(self.shard)
+        return key
 
     def path(self, key: dict) -> Path:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -253,5 +258,11 @@ def cache_for_current_model(options) -> SubstituteCache | None:
     if vllm_config is None or vllm_config.model_config is None:
         return None
     mc = vllm_config.model_config
-    return SubstituteCache.create(mc.model, options.substitute_cache, options,
-                                  revision=getattr(mc, "revision", None))
+    cache = SubstituteCache.create(mc.model, options.substitute_cache, options,
+                                   revision=getattr(mc, "revision", None))
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if cache is not None and size > 1:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        cache.shard = (get_tensor_model_parallel_rank(), size)
+    return cache

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vllm_subspec.config import SUBSTITUTE_LINEARS, SubSpecConfigError, SubSpecOptions
+from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
+from vllm_subspec.draft_model.experts import (
+    ExpertWeight,
+    SubstituteExperts,
+    expert_kernel,
+    expert_tensors,
+    expert_weights,
+    moe_runner,
+)
 from vllm_subspec.draft_model.host_memory import (
     HostMemoryPlan,
     fit_kv_cache,
@@ -23,7 +31,8 @@ from vllm_subspec.draft_model.host_memory import (
     twin_bytes,
     vllm_cpu_weight_growth,
 )
-from vllm_subspec.draft_model.model import decoder_layers, linear_owner
+from vllm_subspec.draft_model.quantize import QuantizedWeight
+from vllm_subspec.draft_model.model import decoder_layers, layer_linear, layer_linear_names
 from vllm_subspec.draft_model.row_buckets import draft_row_counts
 from vllm_subspec.draft_model.substitute import (
     SubstituteLinear,
@@ -41,6 +50,7 @@ class SubstituteSet:
 
     num_layers: int = 0  # decoder layers in the target
     layers: dict[int, dict[str, SubstituteLinear]] = field(default_factory=dict)
+    experts: dict[int, SubstituteExperts] = field(default_factory=dict)  # sparse MoE layers'
     lm_head: SubstituteLinear | None = None  # the draft's own output projection, if quantized
     replaced_bytes: int = 0  # bytes of the target linear weights they stand in for
     built: int = 0  # substitutes quantized at this start (the rest came from the cache)
@@ -78,8 +88,14 @@ class SubstituteSet:
         return head + self.layer_nbytes()
 
     def layer_nbytes(self) -> int:
-        """The decoder-layer substitutes only: what stands in for `replaced_bytes`."""
-        return sum(s.nbytes() for subs in self.layers.values() for s in subs.values())
+        """The decoder-layer substitutes only (routed experts included): what stands in for
+        `replaced_bytes`."""
+        return sum(s.nbytes() for subs in self.layers.values() for s in subs.values()) + \
+            self.expert_nbytes()
+
+    def expert_nbytes(self) -> int:
+        """The routed experts' substitutes (sparse MoE layers)."""
+        return sum(e.nbytes() for e in self.experts.values())
 
     def memory_parts(self) -> dict[str, int]:
         """What the draft holds, by part: the layer substitutes' low-bit weights, the dense
@@ -91,7 +107,8 @@ class SubstituteSet:
 
         layers = [s for subs in self.layers.values() for s in subs.values()]
         head = [self.lm_head] if self.lm_head is not None else []
-        return {"substitute_bytes": sum(s.nbytes() - twin(s) for s in layers),
+        return {"substitute_bytes": sum(s.nbytes() - twin(s) for s in layers)
+                + self.expert_nbytes(),
                 "dense_twin_bytes": sum(twin(s) for s in layers + head),
                 "draft_head_bytes": sum(s.nbytes() - twin(s) for s in head)}
 
@@ -213,13 +230,23 @@ def settle_host_memory(subs: SubstituteSet, kv_room) -> None:
 
 
 LM_HEAD, LM_HEAD_INDEX = ("lm_head",), -1  # the lm_head's job id and cache index
+EXPERT_PREFIX = "experts."  # routed experts' job names: experts.{e}.w13, experts.{e}.w2
 
 
 def _jobs(model: nn.Module, layer_indices: list[int], options: SubSpecOptions):
-    """(job id, cache index, linear name, linear) for every linear the draft substitutes."""
+    """(job id, cache index, linear name, linear) for every linear the draft substitutes (a
+    routed expert's fused gate/up and down weights count as linears)."""
     layers = decoder_layers(model)
-    jobs = [((i, name), i, name, getattr(linear_owner(layers[i], name), name))
-            for i in layer_indices for name in SUBSTITUTE_LINEARS]
+    jobs = [((i, name), i, name, layer_linear(layers[i], name))
+            for i in layer_indices for name in layer_linear_names(layers[i])]
+    for i in layer_indices:
+        moe = moe_runner(layers[i])
+        if moe is None:
+            continue
+        w13, w2 = expert_weights(moe[2])
+        for e in range(w13.shape[0]):
+            for name, w in ((f"{EXPERT_PREFIX}{e}.w13", w13[e]), (f"{EXPERT_PREFIX}{e}.w2", w2[e])):
+                jobs.append(((i, name), i, name, ExpertWeight(w)))
     if "quantized" in options.draft_lm_heads and layer_indices:
         jobs.append((LM_HEAD, LM_HEAD_INDEX, "lm_head", model.lm_head))
     return jobs
@@ -241,7 +268,16 @@ def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSp
     start = time.perf_counter()
     subs = SubstituteSet(num_layers=len(decoder_layers(model)))
     jobs = _jobs(model, layer_indices, options)
+    layers = decoder_layers(model)
+    routed: dict[int, _RoutedLayer] = {}  # a layer's experts, packed as they come
     for job, linear, qw in quantized_weights(jobs, options, device, cache):
+        if job != LM_HEAD and job[1].startswith(EXPERT_PREFIX):
+            i = job[0]
+            subs.replaced_bytes += linear.weight.numel() * linear.weight.element_size()
+            layer = routed.setdefault(i, _RoutedLayer(moe_runner(layers[i])[2]))
+            if layer.add(job[1], qw, device, options.kernel):
+                subs.experts[i] = routed.pop(i).build(f"layers.{i}.experts")
+            continue
         rows = max_rows
         if keeps_dense_twin(qw, linear.weight.dtype, device, options.kernel, rows):
             if memory is not None and not memory.take_twin(twin_bytes(*qw.shape)):
@@ -261,11 +297,46 @@ def build_substitutes(model: nn.Module, layer_indices: list[int], options: SubSp
     subs.build_seconds = time.perf_counter() - start
     # Substitutes live on the draft's device only: on CUDA, SubSpec adds no host memory to
     # plain offloading (on the CPU backend, host memory is the device: host_memory.py).
-    stray = [s.source_name for s in subs.every()
+    stray = [s.source_name for s in [*subs.every(), *subs.experts.values()]
              if any(t.device.type != device.type for t in s.tensors())]
     if stray:
         raise RuntimeError(f"vllm-subspec: substitutes not on {device}: {stray}")
     return subs
+
+
+class _RoutedLayer:
+    """One layer's routed experts while they are quantized: each expert packed for the layer's
+    kernel as soon as its pair of weights is in (so at most one expert's codes are held), then
+    stacked into the `SubstituteExperts`."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.dtype = expert_weights(runner)[0].dtype
+        self.count = expert_weights(runner)[0].shape[0]
+        self.kernel = None
+        self.waiting: dict[int, dict[str, QuantizedWeight]] = {}
+        self.packed: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self.meta: tuple[int, int] | None = None  # (group size, bits)
+
+    def add(self, name: str, qw: QuantizedWeight, device: torch.device, kernel: str) -> bool:
+        """Take expert weight `name` (experts.{e}.w13 / .w2); True once every expert is in."""
+        _, e, which = name.split(".")
+        pair = self.waiting.setdefault(int(e), {})
+        pair[which] = qw
+        if len(pair) == 2:
+            del self.waiting[int(e)]
+            if self.kernel is None:
+                self.kernel = expert_kernel(pair["w13"], pair["w2"], device, kernel)
+                self.meta = (qw.group_size, qw.bits)
+            self.packed[int(e)] = {w: expert_tensors(self.kernel, q, self.dtype)
+                                   for w, q in pair.items()}
+        return len(self.packed) == self.count
+
+    def build(self, source_name: str) -> SubstituteExperts:
+        order = range(self.count)
+        return SubstituteExperts(self.runner, [self.packed[e]["w13"] for e in order],
+                                 [self.packed[e]["w2"] for e in order], self.kernel,
+                                 *self.meta, source_name=source_name)
 
 
 def _ranges(idx: list[int]) -> str:

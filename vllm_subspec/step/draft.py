@@ -77,13 +77,16 @@ class FrontierReads:
     adaptive stop costs no host sync and acts a check late (drafting more than it needs: a
     draft decision, never an output one)."""
 
-    def __init__(self, passes: DraftPasses):
+    def __init__(self, passes: DraftPasses, blocking: bool = False):
+        """blocking: read at each check, waiting for the device (tensor parallelism: when a
+        copy lands is this rank's timing, and every rank must check at the same depths)."""
         self.passes = passes
+        self.blocking = blocking
         self.landing: tuple[HostCopy, list[int]] | None = None
 
     def read(self, log_mass: torch.Tensor, reached: list[int]
              ) -> tuple[torch.Tensor, list[int]] | None:
-        if not self.passes.on_device:
+        if not self.passes.on_device or self.blocking:
             return log_mass.cpu(), list(reached)
         seen = None
         if self.landing is not None and self.landing[0].ready():
@@ -134,13 +137,14 @@ DraftingNext = Callable[[torch.Tensor, list[int]], list[int]]
 def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeShape,
                temperature: float, lm_head: str | None = None,
                drafting_next: DraftingNext | None = None,
-               clock: Callable[[], float] = time.perf_counter, keep_hidden: int = 0
-               ) -> TreeDraft:
+               clock: Callable[[], float] = time.perf_counter, keep_hidden: int = 0,
+               blocking_reads: bool = False) -> TreeDraft:
     """Grow this step's trees to `shape.depth` at most, drafting through `lm_head`.
     drafting_next: which requests draft on (`FrontierReads`: every depth on CPU, every 4 on
     a device, without a sync); None: all go on. keep_hidden: keep the first n requests'
-    hidden states after each node a pass ran from (`TreeDraft.node_hidden`). A request stops
-    before a level that would pass max_model_len; `reached` says how deep each got."""
+    hidden states after each node a pass ran from (`TreeDraft.node_hidden`); blocking_reads:
+    `FrontierReads` waits for each check's copy (tensor parallelism). A request stops before a
+    level that would pass max_model_len; `reached` says how deep each got."""
     b, k = passes.batch_size, shape.width
     check_every = 4 if passes.on_device else 1
     start = clock()
@@ -161,7 +165,7 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
     rows = None  # their indices on the device; None while all are
     reached = [1] * b  # depths drafted, per request
     pass_rows, level_forwards = [], 0
-    frontier = FrontierReads(passes)
+    frontier = FrontierReads(passes, blocking_reads)
     for d in range(1, shape.depth):
         seen = frontier.read(tree.log_mass[:, : d + 1], reached) \
             if drafting_next is not None and d % check_every == 0 else None

@@ -86,10 +86,20 @@ class PositionWrites:
 NO_POSITION_WRITES = PositionWrites(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
+def this_rank_decides(decision):
+    """One device (or tensor-parallel rank 0): its own decisions are the step's."""
+    return decision
+
+
 class StepSession:
     def __init__(self, options: SubSpecOptions, tuner: ShapeTuner | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 share: Callable = this_rank_decides):
+        """share: decision -> the decision every rank takes (tensor parallel: rank 0's,
+        broadcast; the tuner's choices rest on this rank's clock, and every rank must draft
+        and verify the same shapes)."""
         self.options = options
+        self.share = share
         self.shape = TreeShape(options.tree_width, options.tree_depth)
         self.tuner = tuner
         self.clock = clock
@@ -108,12 +118,13 @@ class StepSession:
         self._plan: tuple[float, list[str], StepPlan] | None = None
 
     @classmethod
-    def from_options(cls, options: SubSpecOptions) -> StepSession:
+    def from_options(cls, options: SubSpecOptions, share: Callable = this_rank_decides
+                     ) -> StepSession:
         """An auto shape gets a tuner measuring this engine's costs."""
         tuner = ShapeTuner(options.widths, options.tree_depth, options.auto_width,
                            options.auto_depth, lm_heads=options.draft_lm_heads) \
             if options.is_auto and options.is_tree else None
-        return cls(options, tuner)
+        return cls(options, tuner, share=share)
 
     # ---- 1. plan, then propose ----------------------------------------------------------
     def plan_step(self, req_ids: list[str]) -> StepPlan:
@@ -123,7 +134,7 @@ class StepSession:
         start = self.clock()
         self._close_step(start, req_ids)
         if self.options.is_tree and self.tuner is not None:
-            plan = self.tuner.plan_step(len(req_ids))
+            plan = self.share(self.tuner.plan_step(len(req_ids)))
         else:
             plan = StepPlan(self.shape, adaptive=False, full_depth=True)
         self._plan = None
@@ -193,9 +204,12 @@ class StepSession:
         start = self.clock()
         draft = draft_tree(passes, next_token_ids, plan.shape, self.options.draft_temperature,
                            lm_head,
-                           (lambda log_mass, reached: tuner.drafting_next(log_mass, k, reached))
+                           (lambda log_mass, reached: self.share(
+                               tuner.drafting_next(log_mass, k, reached)))
                            if adaptive else None, clock=self.clock,
-                           keep_hidden=compared)
+                           keep_hidden=compared,
+                           # every rank checks at the same depths (tensor parallel)
+                           blocking_reads=self.share is not this_rank_decides)
         if tuner is None:  # a fixed shape: k * D tokens each, unless cut short
             self.stats.tree_depth = max(draft.reached)
             pending = self._keep_pending(req_ids, draft, chain_only)
@@ -208,7 +222,7 @@ class StepSession:
         tuner.observe_draft(k, len(req_ids), draft.pass_rows, self.clock() - start,
                             draft.root_seconds)
         pending = self._keep_pending(req_ids, draft, chain_only, log_mass, lm_head)
-        depths = tuner.verify_depths(log_mass, k, draft.reached)
+        depths = self.share(tuner.verify_depths(log_mass, k, draft.reached))
         self.stats.tree_depth = max(depths)
         return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, depths)], draft.passes
 

@@ -46,6 +46,7 @@ def draft_structure(substitutes: SubstituteSet) -> str:
     from vllm_subspec import __version__
 
     kernels = {sub.source_name: type(sub.kernel).__name__ for sub in substitutes.every()}
+    kernels.update({e.source_name: e.kernel_name for e in substitutes.experts.values()})
     versions = {"vllm_subspec": __version__}
     if "GemliteKernel" in kernels.values():
         from gemlite import __version__ as gemlite_version  # lazy: importing it needs CUDA

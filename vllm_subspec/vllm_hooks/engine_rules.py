@@ -16,6 +16,7 @@ import logging
 
 from vllm_subspec.config import (
     ADDITIONAL_CONFIG_KEY,
+    SUPPORTED_MOE_ARCHITECTURES,
     SubSpecConfigError,
     SubSpecOptions,
     check_target_supported,
@@ -83,6 +84,8 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
     the ParallelConfig vLLM has built from them (its worker class)."""
     _use_subspec_worker(target_parallel_config, platform)
     _check_kernel_runs_here(options, platform)
+    _refuse_moe_extras(engine_args, target_model_config, target_parallel_config)
+    _refuse_context_parallel(target_parallel_config)
     if options.is_tree:  # every platform: the tree gather reads raw, unwindowed KV
         _refuse_unreadable_kv(engine_args, target_model_config)
         _refuse_micro_batching(target_parallel_config)
@@ -96,6 +99,40 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
     _pin_flash_attention(engine_args, target_model_config, platform)
     engine_args.compilation_config.cudagraph_mode = tree_cudagraph_mode(
         engine_args.compilation_config.cudagraph_mode)
+
+
+def _refuse_context_parallel(parallel_config) -> None:
+    """Context parallelism splits a request's KV positions over the ranks; the draft's KV moves
+    and the tree's gather read every position of a rank's heads from its own cache."""
+    dcp = getattr(parallel_config, "decode_context_parallel_size", 1)
+    pcp = getattr(parallel_config, "prefill_context_parallel_size", 1)
+    if dcp > 1 or pcp > 1:
+        raise SubSpecConfigError(
+            f"SubSpec does not run with context parallelism (decode {dcp}, prefill {pcp}): "
+            "each rank must hold every position of its KV heads. Use tensor parallelism "
+            "without --decode-context-parallel-size / --prefill-context-parallel-size")
+
+
+def _refuse_moe_extras(engine_args, target_model_config, target_parallel_config) -> None:
+    """A MoE target's draft routes with the target's router and runs a `MoERunner`'s place:
+    what re-wires or records that routing is not served (docs/moe.md)."""
+    archs = getattr(target_model_config.hf_config, "architectures", None) or []
+    if not any(a in SUPPORTED_MOE_ARCHITECTURES for a in archs):
+        return
+    extras = {
+        "--enable-lora (vLLM wraps the experts for LoRA)": getattr(engine_args, "enable_lora",
+                                                                   False),
+        "--enable-expert-parallel": target_parallel_config.enable_expert_parallel,
+        "--enable-eplb": target_parallel_config.enable_eplb,
+        "--data-parallel-size > 1": target_parallel_config.data_parallel_size > 1,
+        "--enable-return-routed-experts (the draft's routing would be recorded)": getattr(
+            engine_args, "enable_return_routed_experts", False),
+    }
+    used = [name for name, on in extras.items() if on]
+    if used:
+        raise SubSpecConfigError(
+            f"mixture-of-experts targets run with SubSpec without {', '.join(used)}; serve "
+            "without them, or without --speculative-config")
 
 
 def subspec_worker_cls(platform) -> str:
@@ -169,8 +206,12 @@ def _offload_through_prefetch(engine_args, target_model_config,
     # with "offloaded", each extra streamed layer adds its substitute back to the GPU
     share = substitute_share(options.bits, options.group_size) if layers == "offloaded" \
         else 0.0
+    # --cpu-offload-gb is per GPU, and with tensor parallelism each GPU holds a 1/tp shard of
+    # every layer
+    tp = max(1, engine_args.tensor_parallel_size or 1)
     plan = plan_prefetch(hf.num_hidden_layers,
-                         decoder_layer_bytes(hf, target_model_config.dtype.itemsize), gb, share)
+                         decoder_layer_bytes(hf, target_model_config.dtype.itemsize) // tp, gb,
+                         share)
     if plan is None:
         logger.info("vllm-subspec: --cpu-offload-gb %g offloads about every decoder layer; it "
                     "stays on vLLM's UVA offloader (prefetch slots would not fit)", gb)

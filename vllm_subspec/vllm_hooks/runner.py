@@ -16,7 +16,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_subspec.config import options_from_vllm_config
-from vllm_subspec.step.session import StepSession
+from vllm_subspec.step.session import StepSession, this_rank_decides
 
 # The runner whose `load_model` is in progress (the weight hook builds its substitutes).
 _LOADING: contextvars.ContextVar[SubSpecRunner | None] = contextvars.ContextVar(
@@ -47,7 +47,8 @@ class SubSpecRunner:
             get_offloader(), vllm_config.parallel_config.use_ubatching)
         if overlapping is not None:
             set_offloader(overlapping)
-        self.session = StepSession.from_options(options)
+        self.session = StepSession.from_options(
+            options, share=tensor_parallel_decisions(vllm_config.parallel_config))
         self.drafter = SubSpecProposer(vllm_config, device, self, self.session, overlapping)
         self.rejection_sampler = SampleMatchVerifier(self, self.session, self.drafter)
 
@@ -94,6 +95,21 @@ class SubSpecRunner:
         if not self.session.options.is_tree:
             return super()._input_fits_in_drafter(common_attn_metadata)
         return common_attn_metadata is not None
+
+
+def tensor_parallel_decisions(parallel_config):
+    """With tensor parallelism every rank runs the session, and the decisions its tuner takes
+    from its own clock must be one rank's: rank 0 decides, the others take its decision
+    (broadcast over the group's CPU communicator: a few small objects a step)."""
+    if parallel_config.tensor_parallel_size == 1:
+        return this_rank_decides
+
+    def rank0_decides(decision):
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().broadcast_object(decision, src=0)
+
+    return rank0_decides
 
 
 def loading_runner() -> SubSpecRunner | None:
