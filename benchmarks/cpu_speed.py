@@ -12,6 +12,9 @@ with plain decoding's in the same mode. SubSpec configs are given exactly as a u
     python -m benchmarks.cpu_speed --model qwen-coder-1.5b --name cpu_speed_qwen --prompts 8
     python -m benchmarks.cpu_speed --model qwen-coder-1.5b --name cpu_speed_qwen --rescore
     python -m benchmarks.cpu_speed --model smollm2 --name cpu_speed_smollm2_compiled --compiled
+    VLLM_CPU_OMP_THREADS_BIND="0|1" python -m benchmarks.cpu_speed --model qwen-coder-1.5b \
+        --name cpu_speed_qwen_tp2 --tensor-parallel-size 2 --prompts 4 --max-tokens 64 \
+        --kv-cache-gb 2 --methods plain "subspec chain:4" "subspec auto"
     python -m benchmarks.cpu_speed --model smollm2-moe --name cpu_speed_smollm2_moe \
         --methods plain "subspec chain:4" "subspec chain:8" "subspec tree:6x16" "subspec auto"
 
@@ -75,6 +78,9 @@ def parse_args():
     ap.add_argument("--kv-cache-gb", type=float, default=None)
     ap.add_argument("--compiled", action="store_true",
                     help="vLLM's default mode (compiled with inductor) instead of eager")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks per engine (on CPU, one core each: set "
+                    "VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1')")
     ap.add_argument("--append", action="store_true",
                     help="run --methods into an existing results/<name>.json (its plain run "
                     "is the identity baseline), replacing runs of the same name")
@@ -223,7 +229,9 @@ def markdown(report: dict) -> str:
              "4-bit HQQ g64 by default on CPU; `{\"method\": \"subspec\"}` = auto shape). "
              + ("Engines in vLLM's default mode: the target compiled with inductor, as `vllm "
                 "serve` runs it without --enforce-eager (SubSpec's draft forward compiled too)."
-                if mode == "compiled" else "Engines in eager mode (enforce_eager=True)."), "",
+                if mode == "compiled" else "Engines in eager mode (enforce_eager=True).")
+             + (f" Tensor parallel size {report['tensor_parallel_size']} (one core a rank)."
+                if report.get("tensor_parallel_size", 1) > 1 else ""), "",
              "| method | tok/s (1 at a time) | vs plain | vs ngram | τ | draft passes / token "
              f"| ms / draft pass | identical | tok/s ({report['concurrency']} concurrent) | vs plain | identical "
              "| engine start s |",
@@ -322,7 +330,8 @@ def main():
         report = {"command": "python " + " ".join(sys.argv), "model": model,
                   "dtype": "bfloat16", "prompts": len(prompts), "max_tokens": args.max_tokens,
                   "concurrency": args.concurrency, "environment": environment(), "runs": {},
-                  "mode": "compiled" if args.compiled else "eager"}
+                  "mode": "compiled" if args.compiled else "eager",
+                  "tensor_parallel_size": args.tensor_parallel_size}
         if args.append:
             old = json.loads(out.with_suffix(".json").read_text())
             if (old["model"], old["prompts"], old["max_tokens"], old.get("mode", "eager")) \
@@ -336,7 +345,8 @@ def main():
                 continue
             print(f"[cpu_speed] {name}", flush=True)
             r = run_method(model, METHODS[name], prompts, args.max_tokens, args.concurrency,
-                           kv_kwargs(args), eager=not args.compiled)
+                           {**kv_kwargs(args), "tensor_parallel_size": args.tensor_parallel_size},
+                           eager=not args.compiled)
             report["runs"][name] = r
             base = report["runs"].get("plain")
             if base and name != "plain":

@@ -310,6 +310,25 @@ def check_target_supported(hf_config: Any, tensor_parallel_size: int, pipeline_p
             "parallelism. Use --tensor-parallel-size 1")
 
 
+def check_tensor_parallel_shards(hf_config: Any, tensor_parallel_size: int,
+                                 group_size: int) -> None:
+    """Each rank quantizes its shard of the row-parallel linears in groups of `group_size`
+    along their input: the shards' widths must be whole groups."""
+    if tensor_parallel_size == 1:
+        return
+    heads = getattr(hf_config, "num_attention_heads", 0)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // max(heads, 1)
+    widths = {"o_proj": heads * head_dim, "down_proj": getattr(hf_config, "intermediate_size", 0)}
+    bad = {name: width // tensor_parallel_size for name, width in widths.items()
+           if width and (width // tensor_parallel_size) % group_size}
+    if bad:
+        raise SubSpecConfigError(
+            f"with tensor_parallel_size {tensor_parallel_size}, each rank's shard of "
+            + ", ".join(f"{n} ({w} inputs)" for n, w in bad.items())
+            + f" is not a whole number of group_size {group_size} groups; choose a "
+            "group_size dividing it (e.g. 32), or another tensor_parallel_size")
+
+
 def options_from_vllm_config(vllm_config: Any) -> SubSpecOptions | None:
     """The SubSpec options carried by a VllmConfig, or None when SubSpec is off. The front end
     stores them resolved (`to_dict`); each process parses them once (`_parse_resolved`)."""

@@ -149,3 +149,14 @@ def test_parallel_configurations(monkeypatch):
     with pytest.raises(SubSpecConfigError, match=r"one device only \(tensor_parallel_size 2\).*"
                        r"--tensor-parallel-size 1"):
         config_module.check_target_supported(_hf("MixtralForCausalLM", num_local_experts=4), 2, 1)
+
+
+def test_tensor_parallel_shards_must_be_whole_groups():
+    from types import SimpleNamespace
+
+    llama7b = SimpleNamespace(num_attention_heads=32, hidden_size=4096, intermediate_size=11008)
+    config_module.check_tensor_parallel_shards(llama7b, 1, 64)
+    config_module.check_tensor_parallel_shards(llama7b, 2, 64)  # 2048 and 5504 inputs
+    with pytest.raises(SubSpecConfigError, match=r"down_proj \(1376 inputs\).*group_size 64"):
+        config_module.check_tensor_parallel_shards(llama7b, 8, 64)
+    config_module.check_tensor_parallel_shards(llama7b, 8, 32)

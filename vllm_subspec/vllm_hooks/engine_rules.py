@@ -20,6 +20,7 @@ from vllm_subspec.config import (
     SubSpecConfigError,
     SubSpecOptions,
     check_target_supported,
+    check_tensor_parallel_shards,
 )
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
@@ -47,6 +48,8 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
         target_parallel_config.tensor_parallel_size,
         target_parallel_config.pipeline_parallel_size,
     )
+    check_tensor_parallel_shards(target_model_config.hf_config,
+                                 target_parallel_config.tensor_parallel_size, options.group_size)
     quantization = getattr(target_model_config, "quantization", None)
     if quantization is not None:
         raise SubSpecConfigError(
