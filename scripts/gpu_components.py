@@ -6,8 +6,9 @@ reference, and time beside torch SDPA), GemLite A16W4 linears against bf16 cuBLA
 pageable host-to-device copies, UVA reads (a kernel reading pinned host memory, as vLLM's UVA
 offloader does) and how much of a copy hides behind draft-like compute on another stream, one
 synthetic 28-layer draft pass (eager and CUDA-graph captured: time, kernel launches, host
-syncs), the HQQ substitute build of one decoder layer, and `benchmarks/projection.py` fed with
-these measurements. Writes gpu_components.{json,md} (dry run: gpu_components_dry_run.*) under
+syncs), the HQQ substitute build of one decoder layer, the routed experts' Triton kernels at
+Qwen3-30B-A3B's MoE layer shapes, and `benchmarks/projection.py` fed with these measurements.
+Writes gpu_components.{json,md} (dry run: gpu_components_dry_run.*) under
 --out, else $GPU_COMPONENTS_OUT, else $OUT, else benchmarks/results; the files are rewritten
 after every section, so a run cut short keeps what it measured.
 
@@ -811,11 +812,85 @@ def section_projection(ctx) -> dict:
             "sources": sources, "rows": rows}
 
 
+def section_moe_experts(ctx) -> dict:
+    """The routed experts' Triton kernels (draft_model/experts_triton.py) at Qwen3-30B-A3B's
+    layer shapes (128 experts, top-8, hidden 2048, intermediate 768; tiny in the dry run):
+    correct against the same 4-bit experts dequantized in fp32, device time replayed from a
+    CUDA graph (so the routing layout and both launches are checked to capture), and the
+    expert bytes a pass touches."""
+    from vllm_subspec.draft_model.experts import (
+        TritonExpertKernel,
+        expert_tensors,
+        routed_experts,
+    )
+
+    dev = ctx.device
+    hidden, inter, experts, top_k = (128, 64, 8, 2) if ctx.dry else (2048, 768, 128, 8)
+    dtype = torch.float16 if ctx.dry else torch.bfloat16  # (the interpreter's bf16 is raw bits)
+    def fp16_meta(q):  # HQQ's scale and zero as the CUDA build keeps them
+        return dataclasses.replace(q, scale=q.scale.half(), zero=q.zero.half())
+
+    q13 = [fp16_meta(random_quantized(2 * inter, hidden, dev)) for _ in range(experts)]
+    q2 = [fp16_meta(random_quantized(hidden, inter, dev)) for _ in range(experts)]
+
+    def stacked(qs):
+        per = [expert_tensors(TritonExpertKernel, q, dtype) for q in qs]
+        return [torch.stack(ts).contiguous() for ts in zip(*per)]
+
+    w13, w2 = stacked(q13), stacked(q2)
+    expert_bytes = sum(t[0].numel() * t.element_size() for t in w13 + w2)  # one expert's
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for m in ((1, 5) if ctx.dry else (1, 8, 64, 289)):
+        ctx.check_time()
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k]
+                           for _ in range(m)]).to(torch.int32).to(dev)
+        weights = torch.softmax(torch.randn(m, top_k, generator=gen), -1).to(dev)
+        x = torch.randn(m, hidden, generator=gen).to(dev, dtype)
+
+        def run():
+            return routed_experts(x, weights, ids, w13, w2, TritonExpertKernel.name, 64, 4)
+
+        out = run().float()
+        ref = torch.zeros(m, hidden, device=dev)
+        used = torch.unique(ids).tolist()
+        for e in used:
+            rows, slots = torch.nonzero(ids == e, as_tuple=True)
+            h = x[rows].float() @ q13[e].dequantize(torch.float32).T
+            h = F.silu(h[:, :inter]) * h[:, inter:]
+            ref.index_add_(0, rows, (h @ q2[e].dequantize(torch.float32).T)
+                           * weights[rows, slots, None])
+        err = ((out - ref).norm() / ref.norm()).item()
+        ms = ctx.clock.device_ms(run)
+        case = {"rows": m, "experts_touched": len(used), "rel_err": err, "ms": ms,
+                "gbps": len(used) * expert_bytes / ms / 1e6}
+        if dev.type == "cuda":  # one capture, replayed: the same output as eager
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = run()
+            graph.replay()
+            ctx.clock.sync()
+            case["graph_equals_eager"] = bool(torch.equal(captured.float(), out))
+        cases.append(case)
+    bound = MAX_REL_ERR[dtype]
+    return {"shapes": {"hidden": hidden, "intermediate": inter, "experts": experts,
+                       "top_k": top_k, "dtype": str(dtype).split(".")[-1]},
+            "expert_mb": expert_bytes / 1e6, "max_rel_err": bound,
+            "ok": all(c["rel_err"] < bound and c.get("graph_equals_eager", True)
+                      for c in cases), "cases": cases}
+
+
 # the order they run in: the sweep last but the projection (it compiles ~50 kernels; what the
 # projection needs comes first, so a run cut short by --budget-s loses the sweep's tail only)
 SECTIONS = {"env": section_env, "tree_attention": section_tree_attention,
             "gemlite": section_gemlite, "transfer": section_transfer,
             "draft_pass": section_draft_pass, "hqq_build": section_hqq_build,
+            "moe_experts": section_moe_experts,
             "tree_attention_configs": section_tree_attention_configs,
             "projection": section_projection}
 
@@ -980,6 +1055,21 @@ def _hqq_md(sec):
         for k, v in sec["per_linear_s"].items()]
 
 
+def _moe_md(sec):
+    sh = sec["shapes"]
+    lines = [f"{sh['experts']} experts, top-{sh['top_k']}, hidden {sh['hidden']}, intermediate "
+             f"{sh['intermediate']}, {sh['dtype']}; {sec['expert_mb']:.2f} MB an expert (4-bit "
+             f"codes, fp16 scale and zero). Correct against the dequantized experts in fp32 "
+             f"(bound {sec['max_rel_err']}) and replayed from a CUDA graph as eager: "
+             f"**{'all' if sec['ok'] else 'NOT all'}**. Device ms from CUDA-graph replays.",
+             "",
+             "| rows | experts touched | rel. err | ms | GB/s of touched experts | "
+             "graph replay = eager |", "|---|---|---|---|---|---|"]
+    lines += [f"| {c['rows']} | {c['experts_touched']} | {c['rel_err']:.1e} | {c['ms']:.3f} | "
+              f"{c['gbps']:.0f} | {c.get('graph_equals_eager', '-')} |" for c in sec["cases"]]
+    return lines
+
+
 def _projection_md(sec):
     lines = [f"**{sec['label']}** (a model, not a measurement).", ""]
     lines += [f"- {k}: {v}" for k, v in sec["sources"].items()]
@@ -990,7 +1080,8 @@ def _projection_md(sec):
 
 
 SECTION_MD = {"tree_attention": _tree_md, "tree_attention_configs": _configs_md, "gemlite": _gemlite_md, "transfer": _transfer_md,
-              "draft_pass": _draft_md, "hqq_build": _hqq_md, "projection": _projection_md}
+              "draft_pass": _draft_md, "hqq_build": _hqq_md, "moe_experts": _moe_md,
+              "projection": _projection_md}
 
 
 def main(argv=None) -> int:
@@ -1045,9 +1136,10 @@ def main(argv=None) -> int:
             plot_gpu_components(ctx.results, out_dir / f"{stem}.png")
         except Exception as e:  # noqa: BLE001
             print(f"[gpu_components] no plot: {type(e).__name__}: {e}", file=sys.stderr)
-    tree_ok = ctx.results.get("tree_attention", {}).get("ok", True)
+    kernels_ok = all(ctx.results.get(name, {}).get("ok", True)
+                     for name in ("tree_attention", "moe_experts"))
     print((out_dir / f"{stem}.md").read_text())
-    return 1 if failed or not tree_ok else 0
+    return 1 if failed or not kernels_ok else 0
 
 
 if __name__ == "__main__":

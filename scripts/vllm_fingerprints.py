@@ -119,6 +119,14 @@ NAMES: tuple[str, ...] = (
     "vllm.model_executor.layers.logits_processor:LogitsProcessor.__init__",
     "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward",
     "vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
+    # draft_model/experts.py: SubstituteExperts runs in a MoERunner's place and reads its
+    # router, gate, scaling factor, raw expert weights and all-reduce rule
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner.__init__",
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner.forward",
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._maybe_reduce_final_output",
+    "vllm.model_executor.layers.fused_moe.router.fused_moe_router:FusedMoERouter.select_experts",
+    ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:"
+     "UnquantizedFusedMoEMethod.create_weights"),
 )
 
 # Every vLLM method whose code SubSpec replaces, or runs code in place of: (fingerprinted name,
@@ -198,6 +206,11 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
      "the runner's rejection_sampler slot, every shape (vllm_hooks/runner.py)",
      "SampleMatchVerifier.__call__ -> StepSession.sample_and_walk"),
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner.forward",
+     "replaced in the draft's own copies of substituted MoE layers (draft_model/model.py "
+     "substitute_layer)",
+     "SubstituteExperts.forward: the target's router, 4-bit experts, the all-reduce rule of "
+     "MoERunner._maybe_reduce_final_output"),
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Mapping
 from typing import Any
 
 METHOD = "subspec"
@@ -27,8 +28,8 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
     }
 )
-# Sparse mixture-of-experts targets: routed experts get 4-bit substitutes (experts.py), on
-# vLLM's CPU backend (no CUDA kernel for them yet).
+# Sparse mixture-of-experts targets: routed experts get 4-bit substitutes (experts.py; on CUDA
+# the Triton kernels of experts_triton.py).
 SUPPORTED_MOE_ARCHITECTURES = frozenset(
     {
         "MixtralForCausalLM",
@@ -277,37 +278,41 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_target_supported(hf_config: Any, tensor_parallel_size: int, pipeline_parallel_size: int):
-    """Reject targets SubSpec cannot draft for, with one clear message."""
+def check_target_supported(hf_config: Any, pipeline_parallel_size: int, bits: int = 4):
+    """Reject targets SubSpec cannot draft for, with one clear message (bits: the
+    substitutes')."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     moe = [a for a in archs if a in SUPPORTED_MOE_ARCHITECTURES]
     if not moe and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise SubSpecConfigError(
             f"unsupported architecture {archs}; SubSpec supports dense decoder-only models "
             f"{sorted(SUPPORTED_ARCHITECTURES)} and mixture-of-experts models "
-            f"{sorted(SUPPORTED_MOE_ARCHITECTURES)} (these on vLLM's CPU backend)"
+            f"{sorted(SUPPORTED_MOE_ARCHITECTURES)}"
         )
     moe_keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
     if not moe and any(getattr(hf_config, k, None) for k in moe_keys):
         raise SubSpecConfigError(
             f"this {archs} checkpoint has mixture-of-experts settings; SubSpec supports "
             f"mixture-of-experts models {sorted(SUPPORTED_MOE_ARCHITECTURES)}")
-    if moe and not _platform_is_cpu():
+    transform = (getattr(hf_config, "compression_config", None) or {})
+    transform = transform.get("transform_config") if isinstance(transform, Mapping) else None
+    if moe and (getattr(hf_config, "approximate_experts", None) or (
+            isinstance(transform, Mapping) and transform.get("expert_substitution"))):
         raise SubSpecConfigError(
-            f"mixture-of-experts targets ({moe[0]}) run with SubSpec on vLLM's CPU backend "
-            "only: their routed experts' 4-bit substitutes have no CUDA kernel yet "
-            "(docs/moe.md). On CUDA, serve this model without --speculative-config, or a "
-            "dense model with SubSpec")
+            f"this {moe[0]} checkpoint replaces pruned experts by constants (approximate_experts "
+            "/ expert_substitution, vLLM 0.33's `fused_moe/expert_substitution.py`): its "
+            "expert weights are stored compacted and remapped inside vLLM's kernel, which "
+            "SubSpec's expert substitutes do not follow. Serve it without --speculative-config")
+    if moe and bits != 4 and not _platform_is_cpu():
+        raise SubSpecConfigError(
+            f"mixture-of-experts targets ({moe[0]}) run with SubSpec on CUDA with 4-bit "
+            f"substitutes (the routed experts' Triton kernel, docs/moe.md), not bits={bits}; "
+            "use bits=4")
     if pipeline_parallel_size != 1:
         raise SubSpecConfigError(
             f"SubSpec does not run with pipeline parallelism (pipeline_parallel_size "
             f"{pipeline_parallel_size}): the draft's passes run every layer on one stage. Use "
             "tensor parallelism (--tensor-parallel-size) instead")
-    if tensor_parallel_size != 1 and moe:
-        raise SubSpecConfigError(
-            f"mixture-of-experts targets ({moe[0]}) run with SubSpec on one device only "
-            f"(tensor_parallel_size {tensor_parallel_size}); dense targets run with tensor "
-            "parallelism. Use --tensor-parallel-size 1")
 
 
 def check_tensor_parallel_shards(hf_config: Any, tensor_parallel_size: int,
@@ -318,7 +323,12 @@ def check_tensor_parallel_shards(hf_config: Any, tensor_parallel_size: int,
         return
     heads = getattr(hf_config, "num_attention_heads", 0)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // max(heads, 1)
-    widths = {"o_proj": heads * head_dim, "down_proj": getattr(hf_config, "intermediate_size", 0)}
+    widths = {"o_proj": heads * head_dim, "down_proj": getattr(hf_config, "intermediate_size", 0),
+              # a MoE layer's experts' and shared expert's down weights (Qwen MoEs; Mixtral's
+              # experts are `intermediate_size` wide)
+              "experts' down_proj": getattr(hf_config, "moe_intermediate_size", 0),
+              "shared_expert.down_proj": getattr(hf_config, "shared_expert_intermediate_size",
+                                                 0)}
     bad = {name: width // tensor_parallel_size for name, width in widths.items()
            if width and (width // tensor_parallel_size) % group_size}
     if bad:

@@ -264,3 +264,29 @@ def test_cpu_offload_gb_runs_through_the_prefetch_offloader(monkeypatch, tiny_ll
     everything, _ = cuda_config(monkeypatch, tiny_llama, TREE, cpu_offload_gb=100)
     assert everything.offload_config.offload_backend == "auto"
     assert everything.offload_config.uva.cpu_offload_gb == 100
+
+
+def test_moe_target_on_cuda_drafts_and_stays_on_uva(monkeypatch):
+    """A mixture-of-experts target on CUDA: SubSpec's worker and rules apply, and
+    `--cpu-offload-gb N` stays on vLLM's UVA offloader (a step reads only the routed experts);
+    substitutes other than 4-bit are refused (the experts' Triton kernel is 4-bit)."""
+    from transformers import AutoConfig
+
+    from subspec_testing.assets import tiny_moe_path
+    from vllm_subspec.vllm_hooks.prefetch_plan import decoder_layer_bytes
+
+    model = tiny_moe_path("MixtralForCausalLM", num_layers=8)
+    # two layers by the dense count: what a dense target of these shapes streams by prefetch
+    gb = 2 * decoder_layer_bytes(AutoConfig.from_pretrained(model), 2) / 2**30
+    cfg, fake = cuda_config(monkeypatch, model, TREE, cpu_offload_gb=gb)
+    assert cfg.parallel_config.worker_cls == "vllm_subspec.vllm_hooks.runner.SubSpecGPUWorker"
+    assert cfg.offload_config.offload_backend == "auto"
+    assert cfg.offload_config.uva.cpu_offload_gb == gb
+    check_final_config(cfg, options_from_vllm_config(cfg), fake)
+    with pytest.raises(SubSpecConfigError, match="4-bit substitutes.*not bits=8"):
+        cuda_config(monkeypatch, model, {**TREE, "bits": 8}, cpu_offload_gb=gb)
+    tp2, fake = cuda_config(monkeypatch, model, TREE, devices=2, tensor_parallel_size=2,
+                            cpu_offload_gb=gb)  # with tensor parallelism too
+    assert tp2.parallel_config.tensor_parallel_size == 2
+    assert tp2.parallel_config.worker_cls.startswith("vllm_subspec.")
+    check_final_config(tp2, options_from_vllm_config(tp2), fake)

@@ -177,3 +177,4 @@ def test_gemlite_autotuning_is_kept_across_starts(probe):
     assert first > 1 and second == 0, kept
     assert kept["same_output"]
     assert kept["stored_families"] == ["GEMV_REVSPLITK"]  # the 1-row call's family
+    assert kept["files"] == ["autotune.json"]  # written aside and renamed: nothing left over

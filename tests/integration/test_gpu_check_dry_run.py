@@ -56,5 +56,7 @@ def test_gpu_components_dry_run_runs_every_section_on_cpu(tmp_path):
     passes = report["draft_pass"]["passes"]
     assert [p["rows"] for p in passes] == [1, 4] and all(p["eager_ms"] > 0 for p in passes)
     assert report["hqq_build"]["layer_solve_s"] > 0
+    moe = report["moe_experts"]  # the routed experts' kernels (interpreted) vs fp32
+    assert moe["ok"] and [c["rows"] for c in moe["cases"]] == [1, 5]
     assert report["projection"]["label"].startswith("DRY RUN")
     assert "skipped" in report["transfer"]  # needs CUDA

@@ -242,7 +242,8 @@ def autotune_kept_results(qw, folder: str) -> dict:
     stored = json.loads(path.read_text())
     return {"benchmarked": [s["benchmarked"] for s in starts],
             "same_output": bool(torch.equal(starts[0]["output"], starts[1]["output"])),
-            "stored_families": sorted(name for name, cfg in stored.items() if cfg)}
+            "stored_families": sorted(name for name, cfg in stored.items() if cfg),
+            "files": sorted(p.name for p in Path(folder).iterdir() if "autotune" in p.name)}
 
 
 def main():

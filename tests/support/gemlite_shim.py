@@ -104,7 +104,7 @@ def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
     return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
-def _patch_interpreter_bf16() -> None:
+def patch_interpreter_bf16() -> None:
     import triton.language as tl
     from triton.runtime import interpreter as interp
 
@@ -219,7 +219,7 @@ def install():
     from triton.runtime import driver
 
     driver.set_active(_FakeDriver())
-    _patch_interpreter_bf16()
+    patch_interpreter_bf16()
     _patch_interpreter_range()
     import gemlite
 

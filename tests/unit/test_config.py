@@ -120,13 +120,30 @@ def _hf(arch, **extra):
 
 
 @pytest.mark.parametrize("arch", sorted(config_module.SUPPORTED_MOE_ARCHITECTURES))
-def test_moe_targets_accepted_on_cpu_refused_on_cuda(arch, monkeypatch):
+def test_moe_targets_accepted_on_cpu_and_cuda_with_4bit_substitutes(arch, monkeypatch):
+    for cpu in (True, False):
+        monkeypatch.setattr(config_module, "_platform_is_cpu", lambda cpu=cpu: cpu)
+        config_module.check_target_supported(_hf(arch, num_experts=8), 1, bits=4)
     monkeypatch.setattr(config_module, "_platform_is_cpu", lambda: True)
-    config_module.check_target_supported(_hf(arch, num_experts=8), 1, 1)
+    config_module.check_target_supported(_hf(arch, num_experts=8), 1, bits=8)  # reference
     monkeypatch.setattr(config_module, "_platform_is_cpu", lambda: False)
     with pytest.raises(SubSpecConfigError, match=rf"mixture-of-experts targets \({arch}\) run "
-                       r"with SubSpec on vLLM's CPU backend only.*without --speculative-config"):
-        config_module.check_target_supported(_hf(arch, num_experts=8), 1, 1)
+                       r"with SubSpec on CUDA with 4-bit substitutes.*not bits=8; use bits=4"):
+        config_module.check_target_supported(_hf(arch, num_experts=8), 1, bits=8)
+
+
+def test_moe_checkpoints_with_substituted_experts_are_refused(monkeypatch):
+    """vLLM 0.33 serves checkpoints whose pruned experts are constants, stored compacted and
+    remapped inside its kernel (`fused_moe/expert_substitution.py`): refused."""
+    monkeypatch.setattr(config_module, "_platform_is_cpu", lambda: True)
+    for extra in (dict(approximate_experts={"0": [3]}),
+                  dict(compression_config={"transform_config": {"expert_substitution": {
+                      "layers": {"0": [3]}}}})):
+        with pytest.raises(SubSpecConfigError, match="replaces pruned experts by constants"):
+            config_module.check_target_supported(
+                _hf("Qwen3MoeForCausalLM", num_experts=8, **extra), 1)
+    config_module.check_target_supported(  # a compression config without it: served
+        _hf("Qwen3MoeForCausalLM", num_experts=8, compression_config={"format": "dense"}), 1)
 
 
 def test_other_moe_architectures_refused_naming_the_supported_ones(monkeypatch):
@@ -134,21 +151,21 @@ def test_other_moe_architectures_refused_naming_the_supported_ones(monkeypatch):
     with pytest.raises(SubSpecConfigError, match=r"unsupported architecture \['OlmoeForCausalLM'\]"
                        r".*mixture-of-experts models \['MixtralForCausalLM', "
                        r"'Qwen2MoeForCausalLM', 'Qwen3MoeForCausalLM'\]"):
-        config_module.check_target_supported(_hf("OlmoeForCausalLM", num_experts=8), 1, 1)
+        config_module.check_target_supported(_hf("OlmoeForCausalLM", num_experts=8), 1)
     # a dense architecture name over a checkpoint with experts
     with pytest.raises(SubSpecConfigError, match="has mixture-of-experts settings"):
-        config_module.check_target_supported(_hf("LlamaForCausalLM", num_local_experts=8), 1, 1)
-    config_module.check_target_supported(_hf("LlamaForCausalLM"), 1, 1)
+        config_module.check_target_supported(_hf("LlamaForCausalLM", num_local_experts=8), 1)
+    config_module.check_target_supported(_hf("LlamaForCausalLM"), 1)
 
 
 def test_parallel_configurations(monkeypatch):
+    """Tensor parallelism is served (dense and MoE: check_tensor_parallel_shards), pipeline
+    parallelism refused."""
     monkeypatch.setattr(config_module, "_platform_is_cpu", lambda: True)
-    config_module.check_target_supported(_hf("Qwen2ForCausalLM"), 2, 1)  # dense: TP is served
     with pytest.raises(SubSpecConfigError, match=r"pipeline parallelism.*Use tensor parallelism"):
-        config_module.check_target_supported(_hf("Qwen2ForCausalLM"), 1, 2)
-    with pytest.raises(SubSpecConfigError, match=r"one device only \(tensor_parallel_size 2\).*"
-                       r"--tensor-parallel-size 1"):
-        config_module.check_target_supported(_hf("MixtralForCausalLM", num_local_experts=4), 2, 1)
+        config_module.check_target_supported(_hf("Qwen2ForCausalLM"), 2)
+    with pytest.raises(SubSpecConfigError, match=r"pipeline parallelism"):
+        config_module.check_target_supported(_hf("MixtralForCausalLM", num_local_experts=4), 2)
 
 
 def test_tensor_parallel_shards_must_be_whole_groups():
@@ -160,3 +177,15 @@ def test_tensor_parallel_shards_must_be_whole_groups():
     with pytest.raises(SubSpecConfigError, match=r"down_proj \(1376 inputs\).*group_size 64"):
         config_module.check_tensor_parallel_shards(llama7b, 8, 64)
     config_module.check_tensor_parallel_shards(llama7b, 8, 32)
+    # MoE: the experts' and the shared expert's down weights are sharded too
+    qwen3_30b_a3b = SimpleNamespace(num_attention_heads=32, head_dim=128, hidden_size=2048,
+                                    intermediate_size=6144, moe_intermediate_size=768)
+    config_module.check_tensor_parallel_shards(qwen3_30b_a3b, 4, 64)  # 192 inputs a rank
+    with pytest.raises(SubSpecConfigError, match=r"experts' down_proj \(96 inputs\)"):
+        config_module.check_tensor_parallel_shards(qwen3_30b_a3b, 8, 64)
+    qwen2_moe = SimpleNamespace(num_attention_heads=16, hidden_size=2048, intermediate_size=5632,
+                                moe_intermediate_size=1408, shared_expert_intermediate_size=2880)
+    config_module.check_tensor_parallel_shards(qwen2_moe, 2, 32)
+    with pytest.raises(SubSpecConfigError, match=r"of shared_expert.down_proj \(1440 inputs\) "
+                       r"is not"):
+        config_module.check_tensor_parallel_shards(qwen2_moe, 2, 64)

@@ -254,3 +254,123 @@ def test_fp16_and_empty_batches(vllm_context, kernel):
     assert got.dtype == torch.float16 and rel_err(got, ref(x, logits)) < 4e-2
     empty = fp16(x[:0], logits[:0])
     assert empty.shape == (0, H)
+
+
+# ---- the CUDA path's routing layout (experts_triton.align_by_expert) and packing -------------
+
+def _check_alignment(topk_ids, num_experts, block_m):
+    from vllm_subspec.draft_model.experts_triton import align_by_expert
+
+    pair_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
+    pairs = topk_ids.numel()
+    flat = topk_ids.reshape(-1).long()
+    assert pair_ids.shape[0] == block_expert.shape[0] * block_m
+    assert pair_ids.shape[0] >= pairs + min(pairs, num_experts) * (block_m - 1)
+    real = pair_ids[pair_ids < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))  # every pair exactly once
+    assert (pair_ids[pair_ids >= pairs] == pairs).all()  # the rest is padding
+    blocks = pair_ids.view(-1, block_m)
+    used = block_expert >= 0
+    assert not used[used.int().argmin():].any() or used.all()  # used blocks come first
+    for b, e in enumerate(block_expert.tolist()):
+        in_block = blocks[b][blocks[b] < pairs]
+        if e < 0:
+            assert in_block.numel() == 0
+            continue
+        assert in_block.numel() > 0 and (flat[in_block] == e).all()  # one expert per block
+    # each expert's pairs fill whole blocks of its own: ceil(count / block_m) of them
+    counts = torch.bincount(flat, minlength=num_experts)
+    per_expert = torch.bincount(block_expert[used], minlength=num_experts)
+    assert per_expert.tolist() == ((counts + block_m - 1) // block_m).tolist()
+    # within an expert, pairs keep their order (a stable sort)
+    for e in range(num_experts):
+        mine = [p for p in pair_ids.tolist() if p < pairs and flat[p] == e]
+        assert mine == sorted(mine)
+
+
+@pytest.mark.parametrize("rows,num_experts,top_k,block_m", [
+    (1, 4, 2, 16), (6, 8, 2, 16), (37, 8, 3, 16), (5, 128, 8, 16), (64, 4, 2, 4)])
+def test_pairs_are_grouped_by_expert_in_whole_blocks(rows, num_experts, top_k, block_m):
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
+                       for _ in range(rows)]).to(torch.int32)
+    _check_alignment(ids, num_experts, block_m)
+    ids[:, 0] = 0  # skewed: expert 0 holds every row's first slot (several blocks)
+    _check_alignment(ids, num_experts, block_m)
+
+
+def test_alignment_reads_nothing_on_the_host_and_its_operators_do_not_grow_with_rows():
+    """A CUDA graph captures the routing layout: no host read (it runs on the meta device,
+    where any read of a value raises), and the same operators at 1 row as at 64."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm_subspec.draft_model.experts_triton import align_by_expert
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    pair_ids, block_expert = align_by_expert(
+        torch.zeros(9, 8, dtype=torch.int32, device="meta"), 128)
+    assert pair_ids.device.type == "meta" and pair_ids.shape == (9 * 8 + 72 * 15,)
+    counted = []
+    for rows in (1, 64):
+        ids = torch.randint(0, 16, (rows, 4), dtype=torch.int32)
+        with Ops() as ops:
+            align_by_expert(ids, 16)
+        counted.append(ops.ops)
+    assert counted[0] == counted[1] and len(counted[0]) <= 28  # docs/moe.md counts them
+
+
+def test_triton_expert_packing_and_choice():
+    from vllm_subspec.draft_model.experts import (
+        TritonExpertKernel,
+        expert_kernel,
+        expert_tensors,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    qw = quantize(torch.randn(96, 128, generator=gen), bits=4, group_size=64)
+    packed, scale, zero = expert_tensors(TritonExpertKernel, qw, torch.bfloat16)
+    assert packed.shape == (96, 64) and packed.dtype == torch.uint8
+    unpacked = torch.stack([packed & 0xF, packed >> 4], -1).view(96, 128)
+    assert torch.equal(unpacked, qw.codes) and torch.equal(scale, qw.scale)
+    assert torch.equal(zero, qw.zero)
+    cuda = torch.device("cuda")
+    assert expert_kernel(qw, qw, cuda) is TritonExpertKernel
+    assert expert_kernel(qw, qw, cuda, "reference") is TritonExpertKernel  # graphs need it
+    assert expert_kernel(qw, qw, CPU, "reference").name == "reference"
+    three = quantize(torch.randn(96, 128, generator=gen), bits=3, group_size=64)
+    with pytest.raises(ValueError, match="routed experts on CUDA run 4-bit"):
+        expert_kernel(three, three, cuda)
+
+
+def test_padded_expert_weights_are_read_without_their_padding(vllm_context):
+    """A backend that pads the intermediate size (FlashInfer on Blackwell: gate rows at [0, u),
+    up rows at [p, p + u), padding zeroed only when vLLM processes the weights) still gives
+    the substitutes the checkpoint's weights: the padding, uninitialized then, is left out."""
+    from vllm_subspec.draft_model.experts import ExpertWeight, checkpoint_part
+
+    block = _block("mixtral")
+    runner = moe_runner(_layer("mixtral", block))[2]
+    w13, w2 = (w.detach().clone() for w in expert_weights(runner))
+    for e in range(E):  # unpadded: views of the runner's tensors
+        assert torch.equal(checkpoint_part(runner, e, "w13"), w13[e])
+        assert torch.equal(checkpoint_part(runner, e, "w2"), w2[e])
+    p = I_MOE + 64  # as allocated: padded, the padding uninitialized (NaN here)
+    padded13 = torch.full((E, 2 * p, H), float("nan"), dtype=w13.dtype)
+    padded13[:, :I_MOE], padded13[:, p: p + I_MOE] = w13[:, :I_MOE], w13[:, I_MOE:]
+    padded2 = torch.full((E, H, p), float("nan"), dtype=w2.dtype)
+    padded2[:, :, :I_MOE] = w2
+    runner.routed_experts.w13_weight = nn.Parameter(padded13, requires_grad=False)
+    runner.routed_experts.w2_weight = nn.Parameter(padded2, requires_grad=False)
+    runner.moe_config.intermediate_size_per_partition = p
+    runner.moe_config.intermediate_size_per_partition_unpadded = I_MOE
+    for e in range(E):
+        assert torch.equal(ExpertWeight(runner, e, "w13").weight, w13[e])
+        assert torch.equal(ExpertWeight(runner, e, "w2").weight, w2[e])

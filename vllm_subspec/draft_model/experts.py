@@ -21,10 +21,31 @@ from vllm_subspec.draft_model.kernels import (
 )
 from vllm_subspec.draft_model.quantize import QuantizedWeight
 
+
+
+class TritonExpertKernel:
+    """CUDA: every routed expert of a pass in two Triton launches (experts_triton.py), from each
+    expert's packed 4-bit codes and HQQ's scale and fractional zero in their own dtype."""
+
+    name = "triton_moe"
+
+    @staticmethod
+    def supports(qw: QuantizedWeight, device: torch.device) -> bool:
+        n, k = qw.shape
+        return device.type == "cuda" and qw.bits == 4 and k % qw.group_size == 0 and \
+            qw.group_size in (16, 32, 64, 128, 256)
+
+    @staticmethod
+    def pack(qw: QuantizedWeight) -> list[torch.Tensor]:
+        from vllm_subspec.draft_model import experts_triton  # imports triton: CUDA only
+
+        return [experts_triton.pack(qw.codes), qw.scale.contiguous(), qw.zero.contiguous()]
+
+
 # The kernels routed experts run, by name: their per-expert tensors are stacked per layer, so
-# one operator call runs every expert a pass routes to (CUDA has none yet: config.py refuses
-# MoE targets there).
-EXPERT_KERNELS = {k.name: k for k in (Int4DotCpuKernel, Int4CpuKernel, ReferenceKernel)}
+# one operator call runs every expert a pass routes to.
+EXPERT_KERNELS = {k.name: k for k in (Int4DotCpuKernel, Int4CpuKernel, ReferenceKernel,
+                                      TritonExpertKernel)}
 
 
 def moe_runner(layer: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
@@ -41,18 +62,43 @@ def moe_runner(layer: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
 
 def expert_weights(runner: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The runner's raw expert weights, before vLLM processes them: w13 [E, 2I, H] (gate rows,
-    then up rows) and w2 [E, H, I]."""
+    then up rows) and w2 [E, H, I], I and H as allocated (a backend may pad them: see
+    `checkpoint_part`)."""
     experts = runner.routed_experts
     return experts.w13_weight, experts.w2_weight
 
 
+def checkpoint_part(runner: nn.Module, e: int, which: str) -> torch.Tensor:
+    """Expert e's `which` ("w13" / "w2") weight as the checkpoint holds it: w13 [2u, h], w2
+    [h, u]. Some backends (FlashInfer's on Blackwell) allocate the intermediate size padded to
+    p > u (and may pad the hidden size), load gate rows at [0, u) and up rows at [p, p + u),
+    and zero the padding only when vLLM processes the weights, after the substitutes are
+    built (`oracle.unquantized._zero_intermediate_padding`): the padding is left out here.
+    A copy where the gate and up parts are apart; else a view."""
+    w13, w2 = expert_weights(runner)
+    config = getattr(runner, "moe_config", None)
+    p = w13.shape[1] // 2
+    u = getattr(config, "intermediate_size_per_partition_unpadded", None) or p
+    h = getattr(config, "hidden_dim_unpadded", None) or w13.shape[2]
+    if which == "w2":
+        return w2[e, :h, :u]
+    if u == p:
+        return w13[e, :, :h]
+    return torch.cat([w13[e, :u, :h], w13[e, p: p + u, :h]])
+
+
 class ExpertWeight:
-    """One expert's weight as a substitute job reads it (`.weight`, no bias)."""
+    """One expert's weight as a substitute job reads it (`.weight`, no bias), taken from the
+    runner when read (`checkpoint_part`: a copy where the weight is padded)."""
 
     bias = None
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
+    def __init__(self, runner: nn.Module, e: int, which: str):
+        self.runner, self.e, self.which = runner, e, which
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return checkpoint_part(self.runner, self.e, self.which)
 
 
 def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -61,6 +107,10 @@ def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     """sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x) with each expert's
     down(silu(gate(x)) * up(x)) run by `kernel` from its stacked tensors (`w13[t][e]`: tensor t
     of expert e). Only the experts some row routes to run, each on its rows."""
+    if kernel == TritonExpertKernel.name:
+        from vllm_subspec.draft_model import experts_triton
+
+        return experts_triton.routed_experts(x, topk_weights, topk_ids, w13, w2, group_size)
     out = torch.zeros(x.shape[0], _out_features(kernel, w2), dtype=torch.float32)
     run = _expert_linear(kernel, group_size, bits)
     for e in torch.unique(topk_ids).tolist():  # the CPU path: a host read costs nothing here
@@ -135,6 +185,10 @@ class SubstituteExperts(nn.Module):
         self.source_name = source_name
         self.w13 = _stack(w13)
         self.w2 = _stack(w2)
+        # tensor parallelism: each rank holds a shard of every expert's intermediate dim (and
+        # of the shared expert's), so its output is a partial sum, all-reduced once as the
+        # runner's `MoERunner._maybe_reduce_final_output` does
+        self.all_reduce = _reduces_final_output(runner)
 
     @classmethod
     def from_quantized(cls, runner: nn.Module, w13: list[QuantizedWeight],
@@ -161,6 +215,10 @@ class SubstituteExperts(nn.Module):
             out = out * self.routed_scaling_factor
         if self.shared_expert is not None:
             out = out + self.shared_expert(hidden_states)
+        if self.all_reduce:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            out = tensor_model_parallel_all_reduce(out)
         return out
 
     def tensors(self) -> list[torch.Tensor]:
@@ -173,13 +231,34 @@ class SubstituteExperts(nn.Module):
         return f"{self.source_name}, {self.num_experts} experts, kernel={self.kernel_name}"
 
 
+def _reduces_final_output(runner: nn.Module) -> bool:
+    """Whether the draft's block output must be all-reduced: tensor parallelism without
+    sequence parallelism or a skipped final reduce (`MoERunner._maybe_reduce_final_output`).
+    vLLM's other case, a kernel that reduced the routed part itself (then the shared part is
+    reduced apart), gives the same sum: the substitutes' routed part is always partial.
+    Expert parallelism (its `ep_size`) is refused: engine_rules._refuse_moe_extras."""
+    config = getattr(runner, "moe_config", None)
+    return config is not None and getattr(config, "tp_size", 1) > 1 and \
+        not getattr(config, "is_sequence_parallel", False) and \
+        not getattr(config, "skip_final_all_reduce", False)
+
+
 def expert_kernel(w13: QuantizedWeight, w2: QuantizedWeight, device: torch.device,
                   kernel: str = "auto") -> type:
-    """The kernel class a layer's routed experts run: `kernel`'s choice where it takes both the
-    fused gate/up and the down weight's shapes, else tinygemm where it does, else the
-    reference (dequantize + matmul)."""
+    """The kernel class a layer's routed experts run. CUDA: the Triton kernels (whatever
+    `kernel` chose for the linears: the others read the routing on the host, which a CUDA graph
+    cannot). CPU: `kernel`'s choice where it takes both the fused gate/up and the down weight's
+    shapes, else tinygemm where it does, else the reference (dequantize + matmul)."""
+    if device.type == "cuda":
+        if not (TritonExpertKernel.supports(w13, device) and
+                TritonExpertKernel.supports(w2, device)):
+            raise ValueError(f"vllm-subspec: routed experts on CUDA run 4-bit weights in groups "
+                             f"dividing their inputs, not {w13.bits}-bit {w13.shape} / "
+                             f"{w2.shape} in groups of {w13.group_size}")
+        return TritonExpertKernel
     if device.type != "cpu":
-        raise ValueError("vllm-subspec: routed expert substitutes run on CPU only")
+        raise ValueError(f"vllm-subspec: routed expert substitutes run on CPU or CUDA, not "
+                         f"{device.type}")
     for cls in (choose_kernel(w13, device, kernel), Int4CpuKernel):
         if cls in EXPERT_KERNELS.values() and cls.supports(w13, device) and \
                 cls.supports(w2, device):
@@ -191,6 +270,8 @@ def expert_tensors(cls: type, qw: QuantizedWeight, dtype: torch.dtype) -> list[t
     """One expert weight's tensors for `cls` (packed as its kernel reads them)."""
     if cls is ReferenceKernel:
         return [qw.codes, qw.scale, qw.zero]
+    if cls is TritonExpertKernel:
+        return TritonExpertKernel.pack(qw)
     packed, meta = cls.pack(qw, cls.activation_dtype(dtype))
     return [packed, meta]
 

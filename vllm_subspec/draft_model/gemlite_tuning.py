@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ def gemlite_autotune_kept(path: Path | None):
     """GemLite's autotuning results kept across engine starts in `path` (None: not kept):
     loaded before the block (`gemlite.load_config`: Triton's autotuner then benchmarks no
     stored signature), every config tuned so far merged into the file after it
-    (`gemlite.cache_config`). Written against gemlite 0.6.0.post2."""
+    (`gemlite.cache_config`), atomically. Written against gemlite 0.6.0.post2."""
     if path is None:
         yield
         return
@@ -51,7 +52,11 @@ def gemlite_autotune_kept(path: Path | None):
     loaded = path.exists() and gemlite.load_config(str(path), print_error=False)
     yield
     path.parent.mkdir(parents=True, exist_ok=True)
-    gemlite.cache_config(str(path))
+    # written aside, then renamed over the file: tensor-parallel ranks (and engines started
+    # together) keep the same file, and a reader sees a whole one
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    gemlite.cache_config(str(partial))
+    os.replace(partial, path)
     logger.info("vllm-subspec: GemLite autotuning %s %s", "reused from and kept in" if loaded
                 else "kept in", path)
 

@@ -243,10 +243,10 @@ def _jobs(model: nn.Module, layer_indices: list[int], options: SubSpecOptions):
         moe = moe_runner(layers[i])
         if moe is None:
             continue
-        w13, w2 = expert_weights(moe[2])
-        for e in range(w13.shape[0]):
-            for name, w in ((f"{EXPERT_PREFIX}{e}.w13", w13[e]), (f"{EXPERT_PREFIX}{e}.w2", w2[e])):
-                jobs.append(((i, name), i, name, ExpertWeight(w)))
+        for e in range(expert_weights(moe[2])[0].shape[0]):
+            for which in ("w13", "w2"):
+                name = f"{EXPERT_PREFIX}{e}.{which}"
+                jobs.append(((i, name), i, name, ExpertWeight(moe[2], e, which)))
     if "quantized" in options.draft_lm_heads and layer_indices:
         jobs.append((LM_HEAD, LM_HEAD_INDEX, "lm_head", model.lm_head))
     return jobs

@@ -45,8 +45,8 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
         )
     check_target_supported(
         target_model_config.hf_config,
-        target_parallel_config.tensor_parallel_size,
         target_parallel_config.pipeline_parallel_size,
+        options.bits,
     )
     check_tensor_parallel_shards(target_model_config.hf_config,
                                  target_parallel_config.tensor_parallel_size, options.group_size)
@@ -185,9 +185,10 @@ def _offload_through_prefetch(engine_args, target_model_config,
                               options: SubSpecOptions) -> None:
     """`--cpu-offload-gb N` with the offload backend left to "auto": as much GPU memory left as
     UVA would leave, offloaded through vLLM's prefetch offloader (`prefetch_plan`), whose copies
-    of the next verify's first layers run while the draft drafts. Kept as vLLM chooses: an
-    explicit backend, any prefetch setting, a parameter filter, explicit `substitute_layers`
-    that miss a layer the plan would stream, and a plan the model has too few layers for."""
+    of the next verify's first layers run while the draft drafts. Kept as vLLM chooses: a
+    mixture-of-experts target (UVA reads only routed experts), an explicit backend, any
+    prefetch setting, a parameter filter, explicit `substitute_layers` that miss a layer the
+    plan would stream, and a plan the model has too few layers for."""
     from vllm_subspec.vllm_hooks.prefetch_plan import (
         decoder_layer_bytes,
         plan_prefetch,
@@ -205,6 +206,13 @@ def _offload_through_prefetch(engine_args, target_model_config,
                         "(docs/gpu.md, 'Prefetch overlap')")
         return
     hf = target_model_config.hf_text_config
+    archs = getattr(target_model_config.hf_config, "architectures", None) or []
+    if any(a in SUPPORTED_MOE_ARCHITECTURES for a in archs):
+        logger.info("vllm-subspec: --cpu-offload-gb %g stays on vLLM's UVA offloader for this "
+                    "mixture-of-experts target: a step reads only the experts it routes to, "
+                    "where prefetching would stream every expert of a layer every step "
+                    "(docs/moe.md, 'Offload economics')", gb)
+        return
     layers = options.substitute_layers
     # with "offloaded", each extra streamed layer adds its substitute back to the GPU
     share = substitute_share(options.bits, options.group_size) if layers == "offloaded" \
