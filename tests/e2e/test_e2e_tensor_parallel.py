@@ -124,7 +124,7 @@ def _expert_view(worker) -> dict:
             for i, e in experts.items()}
 
 
-def test_tp2_moe_tree_identical(tmp_path):
+def test_tp2_moe_tree_identical(plain_references):
     """A tiny Qwen2-MoE (a shared expert; sparse and dense layers mixed) at TP=2: each rank's
     expert substitutes are its shard of every expert (half the intermediate rows), their
     partial output and the shared expert's are all-reduced once, and the tokens equal TP=2
@@ -132,13 +132,8 @@ def test_tp2_moe_tree_identical(tmp_path):
     from subspec_testing.assets import tiny_moe_path
 
     model = tiny_moe_path("Qwen2MoeForCausalLM")
-    plain_runs = {}
-    llm = make_llm(model, None, **TP2)
-    try:
-        plain_runs = {name: timed_generate(llm, PROMPTS, params, spec=False).token_ids
-                      for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
-    finally:
-        shutdown(llm)
+    plain = plain_references.get(model, TP2, {"greedy": PlainRun(PROMPTS, GREEDY),
+                                              "seeded": PlainRun(PROMPTS, SEEDED)})
     llm = make_llm(model, DRAFTERS["tree"], **TP2)
     try:
         greedy = timed_generate(llm, PROMPTS, GREEDY)
@@ -146,8 +141,8 @@ def test_tp2_moe_tree_identical(tmp_path):
         views = llm.collective_rpc(_expert_view)
     finally:
         shutdown(llm)
-    _assert_identical(greedy.token_ids, plain_runs["greedy"])
-    _assert_identical(seeded.token_ids, plain_runs["seeded"])
+    _assert_identical(greedy.token_ids, plain["greedy"].token_ids)
+    _assert_identical(seeded.token_ids, plain["seeded"].token_ids)
     assert greedy.stats.num_drafts > 0 and seeded.stats.num_drafts > 0
     # the draft is the target's: 3.74 of at most 5 (a draft whose expert partial sums are not
     # all-reduced accepts 2.29: the tokens stay identical, the acceptance does not)
