@@ -1,18 +1,22 @@
 """Never slower than plain: the default config (`{"method": "subspec"}`) against plain decoding
 on vLLM's CPU backend, one request at a time and at 8 and 32 concurrent requests, the first
-batch after the engines start and the later ones; greedy, bf16, held-out mixed prompts.
+batch after an engine starts and the later ones; greedy, bf16, held-out mixed prompts.
 
-Both engines start before anything is timed and stay up; each round times plain, then SubSpec,
-on the same prompts (alternating, so drift in the machine's speed hits both). For each
-concurrency the first round is "first batch" (for the first concurrency measured, the first
-batch after start-up: compilation, exploration and the tuner's first measurements included),
-the median of the later rounds is "steady". The machine's single-core memory bandwidth (a
-copy, bytes read + written) is measured in the same run and printed beside every ratio, as is
-plain's tokens/s. Writes benchmarks/results/<name>.{json,md,png}.
+One engine is up at a time, as a user runs one: engines that stay up side by side share the
+worker's core (each idle worker polls it) and disturbed each other by more than the 3% this
+measures. Engines alternate, plain, SubSpec, plain, SubSpec, ... (`--engines` of each), so
+drift in the machine's speed hits both; each runs the whole sequence (every concurrency,
+`--rounds` rounds each, the same prompts). For a concurrency, "first" is the first round of
+each engine (for the first concurrency: the first batch after start-up, compilation,
+exploration and the tuner's first measurements included), "steady" the later rounds; a ratio
+pairs SubSpec's engine i with plain's engine i, round by round, and the table gives the
+median. Two plain engines' ratio, round by round, is this run's A/A: what two identical
+engines differ by. The machine's single-core memory bandwidth (a copy, bytes read + written)
+and plain's tokens/s are printed beside every ratio. Writes
+benchmarks/results/<name>.{json,md,png}.
 
-    python -m benchmarks.never_slower --model smollm2 --control --rounds 4 \
-        --name never_slower_smollm2
-    python -m benchmarks.never_slower --model smollm2 --compiled --control --rounds 4 \
+    python -m benchmarks.never_slower --model smollm2 --name never_slower_smollm2
+    python -m benchmarks.never_slower --model smollm2 --compiled \
         --name never_slower_smollm2_compiled
     python -m benchmarks.never_slower --model qwen-coder-1.5b --kv-cache-gb 2 \
         --name never_slower_qwen
@@ -31,6 +35,8 @@ import sys
 from benchmarks.cpu_speed import mixed_prompts
 from benchmarks.depth_sweep import RESULTS, environment, kv_kwargs, model_path, stream_gbps
 
+KINDS = ("plain", "subspec")
+
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,70 +47,73 @@ def parse_args():
                     help="prompts run one at a time for concurrency 1")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engines", type=int, default=2,
+                    help="engines of each kind, started one at a time, alternating")
     ap.add_argument("--kv-cache-gb", type=float, default=None)
     ap.add_argument("--compiled", action="store_true",
                     help="vLLM's default mode (compiled with inductor) instead of eager")
-    ap.add_argument("--control", action="store_true",
-                    help="also run a second plain engine, timed like SubSpec's: its ratio to "
-                         "the first (an A/A ratio) is this run's noise between two engines "
-                         "(three Qwen-1.5B engines with 2 GB KV caches do not fit 24 GiB)")
     return ap.parse_args()
+
+
+def run_engine(kind: str, args, model: str, prompts: list, params) -> dict:
+    """Start one engine, time the whole sequence on it, shut it down."""
+    from vllm import LLM
+
+    from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine, step_stats, \
+        timed_generate
+
+    kw = dict(enforce_eager=not args.compiled, max_num_batched_tokens=16384,
+              **CPU_ENGINE_KWARGS, **kv_kwargs(args))
+    kw["max_num_seqs"] = max(args.concurrency)
+    spec = {"method": "subspec"} if kind == "subspec" else None
+    llm = LLM(model=model, speculative_config=spec, **kw)
+    stats = (lambda: llm.collective_rpc(step_stats)[0]) if spec else (lambda: None)
+    runs = {}
+    try:
+        for c in args.concurrency:
+            batch = prompts[: args.single_prompts] if c == 1 else prompts[:c]
+            rates, steps, token_ids = [], [], None
+            for _ in range(args.rounds):
+                before = stats()
+                run = timed_generate(llm, batch, params, spec=False, one_at_a_time=c == 1)
+                rates.append(run.num_tokens / run.seconds)
+                token_ids = token_ids or run.token_ids
+                if before is not None:  # what SubSpec's steps did in this round
+                    steps.append(round_steps(before, stats()))
+            runs[c] = {"tokens_per_second": rates, "token_ids": token_ids,
+                       "subspec_rounds": steps}
+            print(f"[never_slower] {kind} {c} concurrent: "
+                  f"{', '.join(f'{r:.1f}' for r in rates)} tok/s", flush=True)
+        totals = stats()
+    finally:
+        shutdown_engine(llm)
+    return {"kind": kind, "runs": runs, "subspec_steps": totals}
 
 
 def main():
     args = parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable rpc
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from subspec_testing.assets import chat_prompts
-    from subspec_testing.harness import CPU_ENGINE_KWARGS, shutdown_engine, step_stats, \
-        timed_generate
 
     model = model_path(args.model)
     prompts = chat_prompts(model, mixed_prompts(max(max(args.concurrency),
                                                     args.single_prompts)))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     bandwidth_before = stream_gbps()
-    kw = dict(enforce_eager=not args.compiled, max_num_batched_tokens=16384,
-              **CPU_ENGINE_KWARGS, **kv_kwargs(args))
-    kw["max_num_seqs"] = max(args.concurrency)
-    engines = {"plain": LLM(model=model, **kw),
-               "subspec": LLM(model=model, speculative_config={"method": "subspec"}, **kw)}
-    if args.control:
-        engines["control"] = LLM(model=model, **kw)
-    results = {}
-    try:
-        for c in args.concurrency:
-            batch = prompts[: args.single_prompts] if c == 1 else prompts[:c]
-            rounds = {name: [] for name in engines}
-            outputs = {}
-            for _ in range(args.rounds):
-                for name, llm in engines.items():
-                    run = timed_generate(llm, batch, params, spec=False, one_at_a_time=c == 1)
-                    rounds[name].append(run.num_tokens / run.seconds)
-                    outputs.setdefault(name, run.token_ids)
-            results[c] = {
-                "tokens_per_second": rounds,
-                "first_ratio": rounds["subspec"][0] / rounds["plain"][0],
-                "steady_ratio": statistics.median(
-                    s / p for s, p in zip(rounds["subspec"][1:], rounds["plain"][1:])),
-                "identical": sum(a == b for a, b in zip(outputs["subspec"], outputs["plain"])),
-                "requests": len(batch),
-            }
-            if args.control:
-                results[c]["control_ratios"] = [x / p for x, p in zip(rounds["control"],
-                                                                       rounds["plain"])]
-            print(f"[never_slower] {c} concurrent: {json.dumps(results[c])}", flush=True)
-        stats = engines["subspec"].collective_rpc(step_stats)[0]
-    finally:
-        for llm in engines.values():
-            shutdown_engine(llm)
+    engines = {kind: [] for kind in KINDS}
+    for _ in range(args.engines):
+        for kind in KINDS:
+            engines[kind].append(run_engine(kind, args, model, prompts, params))
+    results = {c: compare(engines, c) for c in args.concurrency}
     report = {
         "command": "python -m benchmarks.never_slower " + " ".join(sys.argv[1:]),
         "model": model, "dtype": "bfloat16", "max_tokens": args.max_tokens,
         "mode": "compiled" if args.compiled else "eager", "environment": environment(),
         "memory_gbps": {"before": bandwidth_before, "after": stream_gbps()},
-        "results": {str(c): r for c, r in results.items()}, "subspec_steps": stats,
+        "results": {str(c): r for c, r in results.items()},
+        "subspec_steps": [e["subspec_steps"] for e in engines["subspec"]],
     }
     out = RESULTS / args.name
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
@@ -113,34 +122,73 @@ def main():
     print(markdown(report))
 
 
+def compare(engines: dict, c: int) -> dict:
+    """One concurrency's rates (engine by engine, round by round) and their ratios."""
+    plain = [e["runs"][c] for e in engines["plain"]]
+    subspec = [e["runs"][c] for e in engines["subspec"]]
+    pairs = [[s / p for s, p in zip(sub["tokens_per_second"], pl["tokens_per_second"])]
+             for sub, pl in zip(subspec, plain)]
+    first = plain[0]["token_ids"]
+    return {
+        "tokens_per_second": {"plain": [r["tokens_per_second"] for r in plain],
+                              "subspec": [r["tokens_per_second"] for r in subspec]},
+        "first_ratio": statistics.median(p[0] for p in pairs),
+        "steady_ratio": statistics.median(x for p in pairs for x in p[1:]),
+        "first_ratios": [p[0] for p in pairs],
+        "steady_ratios": [x for p in pairs for x in p[1:]],
+        "aa_ratios": [b / a for other in plain[1:]
+                      for a, b in zip(plain[0]["tokens_per_second"],
+                                      other["tokens_per_second"])],
+        "identical": [sum(a == b for a, b in zip(r["token_ids"], first)) for r in subspec],
+        "requests": len(first),
+        "subspec_rounds": [r["subspec_rounds"] for r in subspec],
+    }
+
+
+def round_steps(before: dict, after: dict) -> dict:
+    """SubSpec's steps in one round (the difference of two `StepStats`): proposals, those
+    that drafted, and the seconds its drafts and verifies took."""
+    keys = ("draft_steps", "plain_steps", "draft_seconds", "verify_seconds")
+    d = {k: after[k] - before[k] for k in keys}
+    return {"steps": d["draft_steps"], "drafting": d["draft_steps"] - d["plain_steps"],
+            "draft_seconds": round(d["draft_seconds"], 3),
+            "verify_seconds": round(d["verify_seconds"], 3)}
+
+
+def _rates(per_engine: list[list[float]]) -> str:
+    return "; ".join(", ".join(f"{x:.1f}" for x in rounds) for rounds in per_engine)
+
+
 def markdown(report: dict) -> str:
     bw = report["memory_gbps"]
     lines = [f"# Never slower than plain: {os.path.basename(report['model'])}, {report['mode']}",
              "", f"`{report['command']}`", "",
              f"The default config vs plain decoding, greedy, bf16, {report['max_tokens']} "
              f"tokens a request, held-out mixed prompts; {report['environment']['cpu']}, "
-             f"single-core memory bandwidth {bw['before']:.1f} GB/s before the run and "
-             f"{bw['after']:.1f} after (a copy, read + written). Each concurrency: rounds of "
-             "plain then SubSpec; \"first\" is its first round (for the first concurrency, "
-             "the first batch after start-up), \"steady\" the median of the later ones.", ""]
-    control = any("control_ratios" in r for r in report["results"].values())
-    if control:
-        lines += ["A/A control: a second plain engine, started after SubSpec's and timed after "
-                  "it in each round; its ratios to the first plain engine are what two "
-                  "identical engines differ by in this run.", ""]
-    lines += ["| concurrent | plain tok/s (first, later) | SubSpec tok/s (first, later) | "
-              "first | steady | identical |" + (" A/A control, each round |" if control else ""),
-              "|---|---|---|---|---|---|" + ("---|" if control else "")]
+             f"{report['environment']['date']}, single-core memory bandwidth "
+             f"{bw['before']:.1f} GB/s before the run and {bw['after']:.1f} after (a copy, read "
+             "+ written). One engine up at a time, alternating plain, SubSpec, plain, SubSpec; "
+             "each runs every concurrency in turn. Rates: each engine's rounds (engines "
+             "separated by ';'). \"first\": the median over engine pairs of SubSpec's first "
+             "round over plain's (for the first concurrency, the first batch after start-up); "
+             "\"steady\": the median of the later rounds' ratios. A/A: the second plain "
+             "engine over the first, round by round.", "",
+             "| concurrent | plain tok/s | SubSpec tok/s | first | steady | A/A | identical | "
+             "SubSpec steps drafting, each round |",
+             "|---|---|---|---|---|---|---|---|"]
     for c, r in report["results"].items():
         t = r["tokens_per_second"]
-        aa = f" {', '.join(f'{x:.2f}' for x in r['control_ratios'])} |" if control else ""
-        lines.append(f"| {c} | {', '.join(f'{x:.1f}' for x in t['plain'])} | "
-                     f"{', '.join(f'{x:.1f}' for x in t['subspec'])} | "
-                     f"**{r['first_ratio']:.2f}x** | **{r['steady_ratio']:.2f}x** | "
-                     f"{r['identical']}/{r['requests']} |{aa}")
-    s = report["subspec_steps"]
-    lines += ["", f"SubSpec's steps over the run: {s.get('draft_steps')} proposals, "
-              f"{s.get('plain_steps')} of them plain.", ""]
+        aa = ", ".join(f"{x:.2f}" for x in r["aa_ratios"])
+        same = ", ".join(f"{n}/{r['requests']}" for n in r["identical"])
+        drafting = "; ".join(", ".join(f"{s['drafting']}/{s['steps']}" for s in rounds)
+                             for rounds in r["subspec_rounds"])
+        lines.append(f"| {c} | {_rates(t['plain'])} | {_rates(t['subspec'])} | "
+                     f"**{r['first_ratio']:.2f}x** | **{r['steady_ratio']:.2f}x** | {aa} | "
+                     f"{same} | {drafting} |")
+    steps = report["subspec_steps"]
+    lines += ["", "SubSpec's steps over each engine's run: " + "; ".join(
+        f"{s.get('draft_steps')} proposals, {s.get('plain_steps')} of them plain"
+        for s in steps if s) + ".", ""]
     return "\n".join(lines)
 
 

@@ -70,8 +70,21 @@ def verify_step(batch: int, vocab: int = 64):
         logits
 
 
+def scheduler_output(drafts: dict, prompt_tokens: dict | None = None):
+    """vLLM's SchedulerOutput of a step scheduling these drafts (req_id -> draft tokens, one
+    bonus token each) and these prompt tokens (req_id -> count)."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    out = SchedulerOutput.make_empty()
+    out.scheduled_spec_decode_tokens = drafts
+    out.num_scheduled_tokens = {r: 1 + len(d) for r, d in drafts.items()}
+    out.num_scheduled_tokens.update(prompt_tokens or {})
+    out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+    return out
+
+
 def run_verify(verifier, scheduled, logits, sampling_metadata):
     """prepare_verify, then the verifier's call, as the runner makes them in one step."""
-    verifier.prepare_verify(SimpleNamespace(scheduled_spec_decode_tokens=scheduled))
+    verifier.prepare_verify(scheduler_output(scheduled))
     return verifier(SimpleNamespace(num_draft_tokens=[len(d) for d in scheduled.values()]),
                     None, logits, sampling_metadata)

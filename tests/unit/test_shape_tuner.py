@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from vllm_subspec.step.linear_cost import LinearCost
+from vllm_subspec.step.linear_cost import LinearCost, RowsCurve
 from vllm_subspec.step.lm_head_choice import COMPARE_EVERY, COMPARE_UNTIL, LmHeadComparison
 from vllm_subspec.step.rate_guard import EXPLORE_BUDGET
 from vllm_subspec.step.shape_tuner import (
@@ -62,6 +62,41 @@ def test_linear_cost_follows_a_change():
     for _ in range(300):
         cost.add(6, 0.2)
     assert cost(6) == pytest.approx(0.2, rel=0.01)
+
+
+def test_rows_curve_follows_a_roofline_knee_and_never_decreases():
+    """RowsCurve through plain steps' forwards at 1, 8 and 32 rows of a roofline (10 ms flat,
+    2 ms a row past 5 rows): exact at its points, interpolated between, the last slope past
+    the widest, flat below the first and with one point. It is the points' lower envelope: a
+    slow outlier at few rows does not lift the curve at more rows, and it never decreases.
+    Two points a row apart do not extrapolate their noise: past the widest point the slope is
+    at most that point's seconds per row."""
+    roofline = lambda rows: max(0.010, 0.002 * rows)  # noqa: E731
+    curve = RowsCurve()
+    assert not curve.known and curve(100) == 0.0
+    curve.add(1, roofline(1))
+    assert curve.known and curve(1) == curve(500) == pytest.approx(0.010)  # one point: flat
+    assert curve.slope(500) == 0.0
+    for rows in (8, 32):
+        for _ in range(3):
+            curve.add(rows, roofline(rows))
+    assert curve(8) == pytest.approx(0.016) and curve(32) == pytest.approx(0.064)
+    assert curve(20) == pytest.approx(0.040)  # between 8 and 32: on the roofline
+    assert curve(200) == pytest.approx(roofline(200))  # past 32: the last slope, 2 ms a row
+    assert curve.slope(200) == pytest.approx(0.002)
+    assert curve(0.5) == pytest.approx(0.010) and curve.slope(0.5) == 0.0
+    line = LinearCost()  # a line fitted where one request's trees verify (memory-bound)
+    for rows in (1, 3, 5):
+        line.add(rows, roofline(rows))
+    assert line(200) < 0.2 * roofline(200)  # what the curve is for
+    curve.add(1, 5.0)  # a slow outlier (a warm-up) at one row
+    assert curve(8) == pytest.approx(0.016) and curve(200) == pytest.approx(roofline(200))
+    assert curve(1) <= curve(8) <= curve(20) <= curve(32)
+    close = RowsCurve()  # batch 16 and 17, 5% apart by noise: 0.05 s a row between them
+    close.add(16, 0.040)
+    close.add(17, 0.090)
+    assert close.slope(800) == pytest.approx(0.090 / 17)
+    assert close(800) == pytest.approx(0.090 + 783 * 0.090 / 17)
 
 
 def test_mass_calibration_starts_at_the_drafts_belief_and_learns_the_truth():
@@ -272,6 +307,58 @@ def test_fixed_values_are_never_changed():
         plan = tuner.plan_step(1)
         assert (plan.shape.width, plan.shape.depth, plan.adaptive) == (6, 16, False)
     assert world.cont
+
+
+def test_predicted_rates_at_every_depth_at_once_equal_each_depths_prediction():
+    """`_choose` rates every (width, depth) with `predicted_rates` (costs evaluated once per
+    width): the same numbers as `predicted_rate` depth by depth, with either lm_head, on
+    costs fitted from random timings."""
+    rng = random.Random(4)
+    for _ in range(40):
+        tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True,
+                           lm_heads=("target", "substitute"))
+        for w in (0, 1, 2, 4, 6):
+            for _ in range(rng.randint(1, 4)):
+                tuner.draft_pass[w].add(rng.choice([1, 3, 8, 30]), rng.random() * 0.05)
+        for w in (1, 2, 4, 6):
+            for _ in range(rng.randint(1, 4)):
+                tuner.verify[w].add(rng.choice([1, 5, 20, 100]), rng.random() * 0.2)
+            for _ in range(rng.randint(0, 9)):
+                tuner.acceptance[w].add(rng.randint(0, 20), rng.randint(1, 32))
+        for head, extra in (("target", 0.004), ("substitute", 0.0)):
+            for rows in (1, 6, 24):
+                tuner.lm_heads.observe_cost(head, rows, extra + 1e-4 * rows)
+        tuner.other.add(0, rng.random() * 0.001)
+        for rows in rng.sample([1, 2, 8, 32, 64], rng.randint(0, 3)):  # plain steps' forwards
+            tuner.observe_step(False, rows, rows, rng.random() * 0.1)
+        batch_size = rng.choice([1, 2, 8, 32])
+        for w in (1, 2, 4, 6):
+            reach = tuner.acceptance[w].reach().tolist()
+            for head in (None, "target", "substitute"):
+                one_by_one = [tuner.predicted_rate(w, d, batch_size, reach, head)
+                              for d in range(1, 33)]
+                at_once = tuner.predicted_rates(w, range(1, 33), batch_size, reach, head)
+                assert at_once == pytest.approx(one_by_one, rel=1e-9)
+
+
+def test_a_fixed_width_not_drafting_does_not_rechoose_every_step():
+    """A fixed width with auto depth whose first trees are not all verified yet re-chooses
+    after each new verified tree, not on every step in between (a choice rates every depth:
+    ~1 ms a step on the plain steps of an engine where drafting does not pay)."""
+    world = World({6: 0.5}, pass_cost=(0.06, 0.004), verify_cost=(0.08, 0.004), seed=2)
+    tuner = ShapeTuner((6,), 32, auto_width=False, auto_depth=True)
+    chosen = []
+    choose = tuner._choose
+    tuner._choose = lambda batch_size: (chosen.append(tuner.steps), choose(batch_size))
+    steps = []
+    while tuner.acceptance[6].steps < EXPLORE_STEPS - 1:  # still unexplored: the rule's case
+        steps.append(world.step(tuner, 1))
+        assert len(steps) < 2000, "the fixed width stopped drafting its first trees"
+    assert len(steps) >= 100  # plain steps waiting for the allowance: the case
+    drafting = sum(1 for _, _, passes in steps if passes)
+    assert drafting >= 1 and len(chosen) >= drafting  # each new tree was chosen on
+    # one choice per new verified tree, plus the periodic ones
+    assert len(chosen) <= drafting + len(steps) // 16 + 2, (len(chosen), drafting, len(steps))
 
 
 def test_adaptive_depth_drafts_fewer_passes_for_the_same_tokens():
@@ -614,3 +701,47 @@ def test_a_fresh_burst_pays_one_cheap_first_look(batch_size):
     first = next(i for i, (_, _, passes) in enumerate(ran) if passes)
     assert PLAIN_BEFORE_FIRST_LOOK - 2 <= first <= PLAIN_BEFORE_FIRST_LOOK, first
     assert ran[first][2] == 1  # one depth
+
+
+class RooflineWorld(World):
+    """A CPU's roofline: a forward over r rows streams the weights (`flat` seconds) or, past the
+    knee, computes (`per_row` seconds a row), whichever is longer; the draft's passes alike.
+    Drafting wins at one request (a tree's rows ride the weight stream) and loses at 8 and 32,
+    where each row costs compute: a line fitted to one request's verifies predicts a verify
+    over a batch's trees several times too cheap."""
+
+    def __init__(self, **kw):
+        super().__init__({1: 0.7, 2: 0.75, 4: 0.8, 6: 0.82}, other=0.001, **kw)
+
+    def t_verify(self, rows):
+        return max(0.010, 0.002 * rows)
+
+    def t_pass(self, rows, head=None):
+        return max(0.004, 0.001 * rows)
+
+
+def test_a_batch_past_the_knee_is_not_probed_at_the_cost_one_request_measured():
+    """The never-slower benchmark's sequence on a roofline (256 steps at one request, then
+    three runs of 64 steps at 8, then at 32): plain steps' forwards at each batch size put the
+    knee in the verify's cost (`ShapeTuner.forward`), so the tuner sees that even one depth of
+    its drafting shape costs more than a probe may at 8 and 32 requests, and every run there
+    keeps >= 0.99x plain (with the line fitted at one request alone, its probes there cost
+    2.4-3.4 plain steps each and runs kept 0.965-0.989x), while one request drafts and gains."""
+    world = RooflineWorld(seed=11)
+    tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+    for batch_size, steps in ((1, 256), (8, 64), (8, 64), (8, 64), (32, 64), (32, 64),
+                              (32, 64)):
+        ran = [world.step(tuner, batch_size) for _ in range(steps)]
+        plain = world.plain_rate(batch_size)
+        rate = sum(t for t, _, _ in ran) / sum(s for _, s, _ in ran)
+        if batch_size == 1:
+            assert max(world.fixed_rate(1, d, 1) for d in range(1, 33)) > 1.1 * plain
+            continue  # the first look and exploration: asserted by the tests above
+        assert max(world.fixed_rate(k, d, batch_size) for k in (1, 2, 4, 6)
+                   for d in range(1, 33)) < plain  # past the knee drafting loses
+        worst = max(s for _, s, passes in ran if passes) if any(p for _, _, p in ran) else 0
+        assert worst <= (EXPLORE_COST + 1) * world.t_plain(batch_size), \
+            (batch_size, worst / world.t_plain(batch_size))
+        assert rate >= 0.99 * plain, (batch_size, rate / plain)
+    ran = [world.step(tuner, 1) for _ in range(256)]
+    assert sum(t for t, _, _ in ran) / sum(s for _, s, _ in ran) > 1.05 * world.plain_rate(1)

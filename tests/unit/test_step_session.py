@@ -501,12 +501,14 @@ def test_node_hidden_is_kept_per_node_also_for_requests_that_dropped_out():
 def test_each_step_reaches_the_tuner_with_its_tokens_and_wall_time():
     """The measured rates' input (`ShapeTuner.observe_step`): at each proposal, the step before
     it, from its own proposal's start: drafted or not, its requests, the tokens its verify
-    emitted (a plain step: one a request), and its wall time; nothing across an idle gap."""
+    emitted (a plain step: one a request), its wall time, and whether every request ran one
+    token in it (a prompt chunk's step is no plain forward of B rows); nothing across an idle
+    gap."""
     options = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": "auto"})
     tuner = plain_measured(ShapeTuner(options.widths, 3, options.auto_width,
                                       options.auto_depth), 2)
     seen = []
-    tuner.observe_step = lambda *args: seen.append(args)
+    tuner.observe_step = lambda *args, decode_only: seen.append((*args, decode_only))
     clock = FakeClock()
     session = StepSession(options, tuner, clock=clock)
     first = run_step(session, [5, 20], [3, 8], options.num_draft_tokens)
@@ -515,15 +517,22 @@ def test_each_step_reaches_the_tuner_with_its_tokens_and_wall_time():
     tokens = sum(len(emitted(first.walk, i)) for i in range(2))
     clock.now += 0.5  # the rest of the step
     run_step(session, [5 + tokens, 20], [3, 8], options.num_draft_tokens)
-    (drafted, batch, got, seconds), = seen
+    (drafted, batch, got, seconds, _), = seen
     assert drafted and batch == 2 and got == tokens
     assert seconds == pytest.approx(session._step[0] - start - 0.0, abs=0.011)
     # a plain step (nothing drafted) counts one token a request
     both = frozenset(["r0", "r1"])
     session._step, session._step_tokens = (clock.now, False, both), None
     clock.now += 0.2
+    session.prepare_verify([], prompt_tokens=False)
     session._close_step(clock(), ["r0", "r1"])
     assert seen[-1][:3] == (False, 2, 2) and seen[-1][3] == pytest.approx(0.21)
+    assert seen[-1][4] is True
+    session._step = (clock.now, False, both)
+    session.prepare_verify([], prompt_tokens=True)  # a prompt chunk ran in it
+    session._close_step(clock(), ["r0", "r1"])
+    assert seen[-1][4] is False
+    del seen[-1]
     # a request finished: still counted; one joined (its prefill ran in the step): not
     session._step = (clock.now, False, both)
     session._close_step(clock(), ["r1"])
@@ -536,6 +545,30 @@ def test_each_step_reaches_the_tuner_with_its_tokens_and_wall_time():
     clock.now += 60.0
     session._close_step(clock(), ["r0", "r1"])
     assert len(seen) == 3
+
+
+def test_a_step_after_prompt_tokens_is_plain_while_the_batch_forms():
+    """A burst's requests join a step or a few apart: after a step that ran prompt tokens
+    (`prepare_verify(prompt_tokens=True)`), an auto shape plans plain without asking its tuner
+    (drafting for the requests already in would run every pass before the others' prefill);
+    the next decode step is the tuner's again. A fixed shape drafts as configured."""
+    options = SubSpecOptions.from_dict({"tree_width": "auto", "tree_depth": "auto"})
+    tuner = plain_measured(ShapeTuner(options.widths, 6, options.auto_width,
+                                      options.auto_depth), 2)
+    asked = []
+    plan_step = tuner.plan_step
+    tuner.plan_step = lambda b: asked.append(b) or plan_step(b)
+    session = StepSession(options, tuner, clock=FakeClock())
+    session.prepare_verify([], prompt_tokens=True)
+    plan = session.plan_step(["r0", "r1"])
+    assert plan.shape.depth == 0 and asked == [] and session.stats.plain_steps == 1
+    session.prepare_verify([], prompt_tokens=False)
+    session.plan_step(["r0", "r1"])
+    assert asked == [2]
+    fixed = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 3})
+    session = StepSession(fixed, None, clock=FakeClock())
+    session.prepare_verify([], prompt_tokens=True)
+    assert session.plan_step(["r0"]).shape.depth == 3
 
 
 def test_each_step_is_planned_once_and_a_plain_plan_is_the_whole_proposal():

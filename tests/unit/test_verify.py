@@ -14,6 +14,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
+from subspec_testing.stub_verify import scheduler_output
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.paged_kv import CpuVecLayout, logical_to_slots
 from vllm_subspec.step.session import StepSession
@@ -364,12 +365,25 @@ def verifier_for_prepare(runner) -> SampleMatchVerifier:
                                drafter(lambda: pytest.fail("no KV move expected")))
 
 
+def test_prepare_verify_tells_the_session_whether_the_step_runs_prompt_tokens():
+    """Prompt tokens (a request's prefill, or a chunk) in a step: more scheduled tokens than
+    one a request plus its drafts; the session plans the next step plain on them."""
+    drafts = {"a": [5, 6, 7, 8]}
+    for prompts, expected in (({}, False), ({"c": 1}, False), ({"c": 37}, True)):
+        runner = runner_for_prepare([40], drafts)
+        step = verifier_for_prepare(runner)
+        step.prepare_verify(scheduler_output(drafts, prompts))
+        assert step.session._prompt_step is expected, prompts
+        step.prepare_verify(scheduler_output({}, {"a": 1, **prompts}))  # a plain step
+        assert step.session._prompt_step is expected, prompts
+
+
 def test_prepare_verify_rewrites_positions_and_consumes_each_tree_once():
     drafts = {"a": [5, 6, 7, 8], "b": [0, 0, 0, 0]}
     runner = runner_for_prepare([40, 90], drafts)
     step = verifier_for_prepare(runner)
     step.session.pending = {"a": tree()}  # "b" has no pending tree: vLLM's placeholder drafts
-    sched = SimpleNamespace(scheduled_spec_decode_tokens=drafts)
+    sched = scheduler_output(drafts)
     step.prepare_verify(sched)
     # tree "a": node i at position L + depth(i); chain "b" keeps vLLM's positions
     assert runner.positions[:5].tolist() == [40, 41, 41, 42, 42]
@@ -397,7 +411,7 @@ def test_a_drafted_chain_verifies_with_the_backends_causal_rows():
     step = verifier_for_prepare(runner)
     chain = chain_tree(drafts["a"])
     step.session.pending = {"a": StoredTree(chain.tokens, chain.parents, chain.mask, 1)}
-    step.prepare_verify(SimpleNamespace(scheduled_spec_decode_tokens=drafts))
+    step.prepare_verify(scheduler_output(drafts))
     assert step.session._verify_plan is None and step.session.verifying["a"].compact
     assert runner.positions.tolist() == [40, 41, 42, 43]
     with step.verify_forward():

@@ -116,6 +116,7 @@ class StepSession:
         self._step_tokens: int | None = None
         # this step's plan until `propose` drafts it: (its start, its requests, the plan)
         self._plan: tuple[float, list[str], StepPlan] | None = None
+        self._prompt_step = False  # the step just run also ran prompt tokens
 
     @classmethod
     def from_options(cls, options: SubSpecOptions, share: Callable = this_rank_decides
@@ -129,11 +130,16 @@ class StepSession:
     # ---- 1. plan, then propose ----------------------------------------------------------
     def plan_step(self, req_ids: list[str]) -> StepPlan:
         """This step's drafting budget for the requests `req_ids` (depth 0: plain decoding is
-        predicted faster). A plain plan is the step's whole proposal: it is counted here and
-        `propose` is not called; any other is drafted by the next `propose`."""
+        predicted faster, or, with an auto shape, the step just run had prompt tokens). A plain
+        plan is the step's whole proposal: it is counted here and `propose` is not called; any
+        other is drafted by the next `propose`."""
         start = self.clock()
         self._close_step(start, req_ids)
-        if self.options.is_tree and self.tuner is not None:
+        if self.options.is_tree and self.tuner is not None and self._prompt_step:
+            # the batch is forming (a burst's requests join a step or a few apart): drafting
+            # for the requests already in would run every pass before the others' prefill
+            plan = StepPlan(TreeShape(self.tuner.width, 0), False, False)
+        elif self.options.is_tree and self.tuner is not None:
             plan = self.share(self.tuner.plan_step(len(req_ids)))
         else:
             plan = StepPlan(self.shape, adaptive=False, full_depth=True)
@@ -257,7 +263,8 @@ class StepSession:
         if not requests.issuperset(req_ids):
             return
         self.tuner.observe_step(drafted, len(requests),
-                                tokens if drafted and tokens else len(requests), now - started)
+                                tokens if drafted and tokens else len(requests), now - started,
+                                decode_only=not self._prompt_step)
 
     def _clock_rest_of_step(self, start: float, end: float) -> None:
         """The tuner's "rest of a step": from the end of the last draft to this one's start,
@@ -274,9 +281,12 @@ class StepSession:
         self._last_draft_end = end
 
     # ---- 2. verify inputs ----------------------------------------------------------------
-    def prepare_verify(self, requests: list[VerifyRequest]) -> PositionWrites:
+    def prepare_verify(self, requests: list[VerifyRequest],
+                       prompt_tokens: bool = False) -> PositionWrites:
         """Consume the pending trees of the requests vLLM scheduled drafts for; returns the
-        position rewrites of the verify forward (vLLM's chain positions L + i -> L + depth)."""
+        position rewrites of the verify forward (vLLM's chain positions L + i -> L + depth).
+        prompt_tokens: the step also runs prompt tokens (a request's prefill or a chunk)."""
+        self._prompt_step = prompt_tokens
         drafted, self.pending = self.pending, {}  # a tree is verified at most once
         self.verifying, self._verify_plan, self._plan = {}, None, None  # (a plan is one step's)
         if not requests:  # a plain step

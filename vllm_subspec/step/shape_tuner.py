@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from vllm_subspec.step.linear_cost import DECAY, LinearCost
+from vllm_subspec.step.linear_cost import DECAY, LinearCost, RowsCurve
 from vllm_subspec.step.lm_head_choice import LmHeadChoice
 from vllm_subspec.step.rate_guard import RateGuard
 from vllm_subspec.step.tree import TreeShape
@@ -168,8 +168,15 @@ class ShapeTuner:
         # batch size, they decide between drafting and plain decoding instead of the model
         self.guard = RateGuard()
         self.measure_rates = costs is None  # given costs decide alone (`use_costs`)
+        # a plain decoding step's forward over B rows (its time less the rest of a step), per
+        # batch size: a verify over as many rows costs no less (`verify_cost`). Tree verifies
+        # run at few rows on a CPU; this is what a step over many rows costs there
+        self.forward = RowsCurve()
+        # per width: the most rows its verifies have had (decaying): the line is trusted there
+        self._verify_rows = {w: 0.0 for w in widths}
         self._exploring = False  # the last planned step explores (`plan_step`)
         self._explored_shape = False  # (width, depth) were set by an exploration step
+        self._trees_at_choice = -1  # verified trees when `_choose` last ran
 
     def use_costs(self, costs: StepCosts) -> None:
         """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark),
@@ -227,9 +234,11 @@ class ShapeTuner:
                 self._exploring = self.auto_depth  # (kept apart from the chosen shapes' rate)
                 self._explored_shape = True
             elif self.steps % RECHOOSE_EVERY == 1 or \
-                    (unexplored and (self._explored_shape or not self.auto_width)):
-                # (after exploring: a chosen shape again, once; exploration waiting for its
-                # allowance does not re-choose every step)
+                    (unexplored and (self._explored_shape or not self.auto_width
+                                     and self._trees_seen() != self._trees_at_choice)):
+                # (after exploring: a chosen shape again, once; a fixed width's first trees:
+                # each new one re-chooses; exploration waiting for its allowance, or a fixed
+                # width not drafting, does not re-choose every step)
                 self._choose(batch_size)
                 self._explored_shape = False
             elif (self.auto_width and self.depth != 0
@@ -355,6 +364,25 @@ class ShapeTuner:
             depth -= 1
         return depth
 
+    def verify_cost(self, width: int, rows: float) -> float:
+        """Seconds of a verify of `rows` rows of width-k trees: its fitted line; past the most
+        rows this width's verifies have had (with measured rates), no less than the line
+        there plus what plain steps' forwards grow by between the two row counts (`forward`:
+        the knee of a CPU's roofline, which a line fitted at few rows misses)."""
+        seconds = self.verify[width](rows)
+        widest = self._verify_rows[width]
+        if not self.measure_rates or rows <= widest or not self.forward.known:
+            return seconds
+        return max(seconds, self.verify[width](widest) + self.forward(rows)
+                   - self.forward(widest))
+
+    def verify_row_cost(self, width: int, rows: float) -> float:
+        """Seconds one more verify row costs at `rows` rows (`verify_cost`'s slope, at most)."""
+        per_row = self.verify[width].per_row()
+        if not self.measure_rates or rows <= self._verify_rows[width]:
+            return per_row
+        return max(per_row, self.forward.slope(rows))
+
     def _step_seconds_like(self, like: int, batch_size: int, passes: int, pass_rows: int,
                            nodes: int) -> float:
         """`step_seconds` with width `like`'s costs (for a width not measured yet; passes
@@ -362,7 +390,7 @@ class ShapeTuner:
         pass_cost = self.draft_pass[like] if self.draft_pass[like].known else self.draft_pass[0]
         later = passes * pass_cost(pass_rows / passes) if passes else 0.0
         return self.other(0) + self.draft_pass[0](batch_size) + later \
-            + self.verify[like](batch_size + nodes)
+            + self.verify_cost(like, batch_size + nodes)
 
     def predicted_rate(self, width: int, depth: int, batch_size: int,
                        reach: list[float], head: str | None = None) -> float:
@@ -373,6 +401,35 @@ class ShapeTuner:
         rows = batch_size * width
         return tokens / self.step_seconds(width, batch_size, depth - 1, (depth - 1) * rows,
                                           depth * rows, head)
+
+    def predicted_rates(self, width: int, depths, batch_size: int, reach: list[float],
+                        head: str | None = None) -> list[float]:
+        """`predicted_rate` for each depth of `depths` (ascending), each fitted cost evaluated
+        once: a step's passes grow linearly with its depth (one more pass over B*k rows), so a
+        choice over 32 depths costs microseconds, not a millisecond."""
+        rows = batch_size * width
+        fixed = self.other(0) + self.draft_pass[0](batch_size)
+        per_pass = self.draft_pass[width](rows)
+        if head is not None and head != self.lm_head:
+            fixed += self.lm_heads.extra_seconds(head, batch_size)
+            per_pass += self.lm_heads.extra_seconds(head, rows)
+        # the verify's line (every cost in use is linear in rows) and, past its widest
+        # verify, `verify_cost`'s floor
+        verify, verify_row = self.verify[width](0), self.verify[width].per_row()
+        widest = self._verify_rows[width]
+        floor = self.forward if self.measure_rates and self.forward.known else None
+        anchor = verify + verify_row * widest - (floor(widest) if floor else 0.0)
+        rates, tokens, reached = [], float(batch_size), 0
+        for depth in depths:
+            while reached < depth:
+                tokens += batch_size * reach[reached]
+                reached += 1
+            verify_rows = batch_size + depth * rows
+            seconds = verify + verify_row * verify_rows
+            if floor is not None and verify_rows > widest:
+                seconds = max(seconds, anchor + floor(verify_rows))
+            rates.append(tokens / max(fixed + (depth - 1) * per_pass + seconds, 1e-9))
+        return rates
 
     def plain_rate(self, batch_size: int) -> float:
         """Predicted tokens/s of plain decoding steps (no draft): one row per request, timed
@@ -394,9 +451,13 @@ class ShapeTuner:
             if passes:
                 later += passes * self.lm_heads.extra_seconds(head, pass_rows / passes)
         return max(self.other(0) + self.draft_pass[0](batch_size) + later
-                   + self.verify[width](batch_size + nodes), 1e-9)
+                   + self.verify_cost(width, batch_size + nodes), 1e-9)
+
+    def _trees_seen(self) -> int:
+        return sum(a.steps for a in self.acceptance.values())
 
     def _choose(self, batch_size: int) -> None:
+        self._trees_at_choice = self._trees_seen()
         widths = self.widths if self.auto_width else (self.width,)
         depths = range(1, self.max_depth + 1) if self.auto_depth else (self.depth,)
         best, rate = self._best_shape(batch_size, widths, depths, self.lm_head)
@@ -439,8 +500,9 @@ class ShapeTuner:
         reach = {w: self.acceptance[w].reach(
             1.0 if self.lm_heads is None else self.lm_heads.acceptance_scale(head, w, doubt)
         ).tolist() for w in widths}  # once per width
-        rates = {(w, d): self.predicted_rate(w, d, batch_size, reach[w], head)
-                 for w in widths for d in depths}
+        rates = {(w, d): rate for w in widths
+                 for d, rate in zip(depths, self.predicted_rates(w, depths, batch_size,
+                                                                 reach[w], head))}
         best = max(rates, key=rates.get)  # the first of equal rates, as before
         return best, rates[best]
 
@@ -481,11 +543,12 @@ class ShapeTuner:
         p = self.calibration.predict(log_mass.exp())  # [B, d + 1]: P(depth j + 1 accepted)
         tokens, seconds = self._step_so_far(p, width, reached)
         candidates = [i for i, r in enumerate(reached) if r == d]
-        row_cost = width * (self.draft_pass[width].per_row() + self.verify[width].per_row())
+        verify_row = self.verify_row_cost(width, len(reached) + width * sum(reached))
+        row_cost = width * (self.draft_pass[width].per_row() + verify_row)
         going = [i for i in candidates if float(p[i, d]) * seconds > tokens * row_cost]
         gain = float(p[going, d].sum())
         rows = width * len(going)
-        cost = self.draft_pass[width](rows) + self.verify[width].per_row() * rows
+        cost = self.draft_pass[width](rows) + verify_row * rows
         return going if going and gain * seconds > tokens * cost else []
 
     def verify_depths(self, log_mass: torch.Tensor, width: int,
@@ -496,7 +559,7 @@ class ShapeTuner:
         depth (default: all d)."""
         b, d = log_mass.shape[0], log_mass.shape[1] - 1
         reached = [d] * b if reached is None else reached
-        row_cost = self.verify[width].per_row() * width
+        row_cost = self.verify_row_cost(width, b + width * sum(reached)) * width
         if row_cost <= 0 or not self.auto_depth:
             return list(reached)
         p = self.calibration.predict(log_mass.exp())
@@ -529,15 +592,21 @@ class ShapeTuner:
 
     def observe_verify(self, width: int, rows: int, seconds: float) -> None:
         self.verify[width].add(rows, seconds)
+        self._verify_rows[width] = max(rows, DECAY * self._verify_rows[width])
 
     def observe_other(self, seconds: float) -> None:
         self.other.add(0, max(seconds, 0.0))
 
-    def observe_step(self, drafted: bool, batch_size: int, tokens: int, seconds: float) -> None:
+    def observe_step(self, drafted: bool, batch_size: int, tokens: int, seconds: float,
+                     decode_only: bool = True) -> None:
         """A whole engine step as it ran (`RateGuard.add`): drafted or plain, its requests,
         the tokens they emitted, its wall time from one proposal to the next. Called before
-        the next step is planned; an exploration step's rate is not counted."""
+        the next step is planned; an exploration step's rate is not counted. A plain step
+        whose requests each ran one token (`decode_only`: no prompt chunk in it) is also a
+        forward over B rows (`forward`)."""
         self.guard.add(drafted, batch_size, tokens, seconds, exploring=drafted and self._exploring)
+        if not drafted and decode_only and self.measure_rates:
+            self.forward.add(batch_size, max(seconds - self.other(0), 0.0))
 
     def observe_tree(self, width: int, level_log_mass: list[float], accepted: int,
                      verified_depth: int) -> None:

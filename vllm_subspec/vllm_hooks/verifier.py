@@ -24,8 +24,12 @@ class SampleMatchVerifier:
     def prepare_verify(self, scheduler_output) -> None:
         """After vLLM's `_prepare_inputs` laid the scheduled drafts out as a chain."""
         spec = scheduler_output.scheduled_spec_decode_tokens
+        # prompt tokens run in this step (a request's prefill, or a chunk of it): more tokens
+        # than one a request and its drafts
+        prompt = scheduler_output.total_num_scheduled_tokens > len(
+            scheduler_output.num_scheduled_tokens) + sum(len(d) for d in spec.values())
         if not spec:  # a plain step: nothing to lay out
-            self.session.prepare_verify([])
+            self.session.prepare_verify([], prompt_tokens=prompt)
             return
         runner, batch = self.runner, self.runner.input_batch
         requests = [VerifyRequest(i, req_id, list(spec[req_id]),
@@ -33,7 +37,7 @@ class SampleMatchVerifier:
                                   int(runner.query_start_loc.np[i]))
                     for i, req_id in enumerate(batch.req_ids[: batch.num_reqs])
                     if spec.get(req_id)]
-        writes = self.session.prepare_verify(requests)
+        writes = self.session.prepare_verify(requests, prompt_tokens=prompt)
         if len(writes.rows):  # one copy for every request's rewrites
             device = runner.positions.device
             both = to_device(torch.from_numpy(np.stack([writes.rows, writes.positions])), device)
