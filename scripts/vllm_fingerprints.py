@@ -63,6 +63,16 @@ NAMES: tuple[str, ...] = (
     "vllm.engine.arg_utils:EngineArgs.create_engine_config",  # calls patch 1 before the configs
     "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",  # calls patch 3
     "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.do_kv_cache_update",
+    # the layer writes KV before `forward` (`forward_includes_kv_cache_update` False): patch 4
+    # skips the backend's pass when every row is a tree row
+    "vllm.model_executor.layers.attention.attention:Attention.forward",
+    # no placeholder drafts for a new one-token request: engine_rules' batch-size schedule
+    # sets `dynamic_sd_lookup`, which turns the scheduler's uniform-decode padding off
+    "vllm.v1.core.sched.scheduler:Scheduler.__init__",
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    "vllm.v1.spec_decode.dynamic.utils:build_dynamic_sd_schedule_lookup",
+    "vllm.config.vllm:VllmConfig._maybe_override_dynamic_sd_cudagraph_mode",  # (trees: no FULL)
+    "vllm.config.vllm:VllmConfig._maybe_disable_dynamic_sd_for_data_parallel",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",  # picks the ISA
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
     "vllm.v1.attention.backends.cpu_attn:_get_attn_isa",
@@ -144,9 +154,11 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
      f"{_PATCH} #3)", "a SubSpec runner's target: SubSpecRunner.target_weights_loaded around "
      "the original"),
     ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward", f"{_PATCH} #4)",
-     "tree_attention.apply_tree_attention after the original (CPU)"),
+     "tree_attention.apply_tree_attention after the original; the original not run when "
+     "every row is a tree row (CPU)"),
     ("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward", f"{_PATCH} #4)",
-     "tree_attention.apply_tree_attention after the original (CUDA)"),
+     "tree_attention.apply_tree_attention after the original; the original not run when "
+     "every row is a tree row (CUDA)"),
     ("vllm.v1.engine.input_processor:InputProcessor._validate_params", f"{_PATCH} #5)",
      "the original, then node_constraints.refusal (SubSpec engines)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__", _RUNNER,

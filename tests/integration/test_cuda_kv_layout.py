@@ -48,6 +48,9 @@ def test_flash_attention_cache_reader(probes, layout):
     assert r["attention_ulps"] <= ATTENTION_ULPS
     assert r["hook_without_plan_untouched"]  # no active plan: the backend's output stands
     assert r["hook_rows_exact"] and r["hook_other_rows_untouched"]
+    # every row a tree row: FlashAttention's causal pass is not run (it would be overwritten)
+    assert r["flash_calls_tree_rows_only"] == 0 and r["flash_skipped_rows_exact"]
+    assert r["flash_calls_with_a_plain_request"] == 1
     # every request's rows in one Triton launch per layer call (verify-like and draft-level
     # batches), each request's rows the same bits as computing it alone, other rows untouched
     assert r["verify_launches"] == 1 and r["level_launches"] == 1

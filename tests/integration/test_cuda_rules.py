@@ -37,6 +37,8 @@ def test_tree_engine_config_on_cuda(monkeypatch, tiny_llama):
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     assert cfg.compilation_config.is_attention_compiled_piecewise()
     assert cfg.speculative_config.method == "draft_model"
+    # no placeholder drafts for a new one-token request (the schedule turns vLLM's padding off)
+    assert cfg.speculative_config.num_speculative_tokens_per_batch_size == [(1, 1, 12)]
     # vLLM builds SubSpec's runner through SubSpec's worker (vllm_hooks/runner.py)
     assert cfg.parallel_config.worker_cls == "vllm_subspec.vllm_hooks.runner.SubSpecGPUWorker"
     check_final_config(cfg, options_from_vllm_config(cfg), fake)  # accepted in the worker
@@ -48,6 +50,9 @@ def test_chain_keeps_vllm_cuda_defaults(monkeypatch, tiny_llama):
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.attention_config.backend is None
     assert cfg.compilation_config.cudagraph_mode.has_full_cudagraphs()
+    # no batch-size schedule: vLLM would turn full graphs off for it, and its padding of new
+    # one-token requests keeps a chain's decode batches uniform for them
+    assert cfg.speculative_config.num_speculative_tokens_per_batch_size is None
     check_final_config(cfg, options_from_vllm_config(cfg), fake)  # FULL graphs: fine for chains
 
 
@@ -129,6 +134,10 @@ def test_cpu_platform_is_untouched(tiny_llama):
     assert cfg.attention_config.backend is None  # the CPU backend; no offload needed
     assert cfg.parallel_config.worker_cls == \
         "vllm_subspec.vllm_hooks.cpu_runner.SubSpecCPUWorker"
+    # no CUDA graphs here: a chain gets the schedule too (no placeholder drafts)
+    chain = EngineArgs(model=tiny_llama, speculative_config=dict(CHAIN), max_model_len=512) \
+        .create_engine_config()
+    assert chain.speculative_config.num_speculative_tokens_per_batch_size == [(1, 1, 4)]
 
 
 @pytest.mark.parametrize("platform, kernel", [("cpu", "gemlite"), ("cuda", "int4_cpu"),

@@ -154,3 +154,52 @@ def test_context_parallelism_refused(tiny_llama):
         object.__setattr__(config, field, 2)
         with pytest.raises(SubSpecConfigError, match="context parallelism"):
             _refuse_context_parallel(config)
+
+
+def test_no_placeholder_drafts_for_a_new_request_of_one_token(tiny_llama):
+    """vLLM's scheduler pads a new request with one token to run (a one-token prompt, or a
+    prompt cached but for its last token) with num_speculative_tokens placeholder drafts, for
+    uniform decode batches; a SubSpec engine would verify them as 1 + 192 rows for nothing
+    (default budget). Its config carries a one-range batch-size schedule of the same budget,
+    which turns that padding off: checked on vLLM's real `Scheduler`, against the same config
+    without the schedule (padded)."""
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+    try:  # 0.32.0; 0.33.0 moved it
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    except ImportError:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+
+    cfg = engine_config(tiny_llama, {"method": "subspec"}, skip_tokenizer_init=True)
+    budget = cfg.speculative_config.num_speculative_tokens
+    assert cfg.speculative_config.num_speculative_tokens_per_batch_size == [(1, 1, budget)]
+
+    def one_token_request_drafts(config) -> dict[str, int]:
+        config.cache_config.kv_cache_layout = KVCacheLayout.LBNHC.name
+        block = config.cache_config.block_size
+        spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8,
+                                 dtype=torch.float32)
+        kv = get_kv_cache_config_from_groups(
+            config, [KVCacheGroupSpec(["layer"], spec)], spec.page_size_bytes * 16)
+        config.cache_config.num_gpu_blocks = kv.num_blocks
+        scheduler = Scheduler(config, kv, StructuredOutputManager(config), block)
+        params = SamplingParams(max_tokens=4)
+        scheduler.add_request(Request("running", [1, 2, 3, 4, 5], params, None, None))
+        first = scheduler.schedule()  # its prefill
+        scheduler.update_from_output(first, ModelRunnerOutput(
+            req_ids=["running"], req_id_to_index={"running": 0}, sampled_token_ids=[[7]]))
+        scheduler.add_request(Request("new", [9], params, None, None))
+        step = scheduler.schedule()  # "running" decodes; "new" has one token to run
+        assert step.num_scheduled_tokens["running"] == 1
+        return {r: len(d) for r, d in step.scheduled_spec_decode_tokens.items()}
+
+    assert one_token_request_drafts(cfg) == {}
+    unscheduled = engine_config(tiny_llama, {"method": "subspec"}, skip_tokenizer_init=True)
+    unscheduled.speculative_config.num_speculative_tokens_per_batch_size = None
+    assert one_token_request_drafts(unscheduled) == {"new": budget}

@@ -141,6 +141,31 @@ def probe(layout: KVCacheLayout) -> dict:
     result["hook_rows_exact"] = bool(torch.equal(output[5:].view(m, HEADS, D), out))
     result["hook_other_rows_untouched"] = bool((output[:5] == 7.0).all())
 
+    # 3b. FlashAttention's forward wrapped as the engine wraps it: a call whose rows are all
+    # tree rows does not run FlashAttention (it would be overwritten whole); one with a plain
+    # request's rows does
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    from vllm_subspec.vllm_hooks.patches import tree_attention_forward
+
+    impl.attn_type, impl.dcp_world_size = AttentionType.DECODER, 1
+    flash_calls = []
+    wrapped = tree_attention_forward(lambda *a, **k: flash_calls.append(1),
+                                     not FlashAttentionBackend.forward_includes_kv_cache_update)
+    output = torch.full((m, HEADS * D), 7.0, dtype=torch.bfloat16)
+    with tree_plan(TreePlan([TreeRows(1, 0, prefix, mask)])):
+        wrapped(impl, None, q, None, None, kv1,
+                types.SimpleNamespace(block_table=block_table, num_actual_tokens=m), output)
+    tree_rows_calls = len(flash_calls)
+    with tree_plan(TreePlan([TreeRows(1, 5, prefix, mask)])):  # after request 0's 5 rows
+        wrapped(impl, None, query, None, None, kv1, types.SimpleNamespace(
+            block_table=block_table, num_actual_tokens=query.shape[0]),
+            torch.empty(query.shape[0], HEADS * D, dtype=torch.bfloat16))
+    result["flash_calls_tree_rows_only"] = tree_rows_calls
+    result["flash_calls_with_a_plain_request"] = len(flash_calls) - tree_rows_calls
+    result["flash_skipped_rows_exact"] = bool(torch.equal(output.view(m, HEADS, D), out))
+
     # 4. every request's tree rows in one launch: a verify-like batch (trees of different sizes,
     # masks padded) and a draft level (k rows per request over the same slot count), in the
     # hook with request 0 placed after request 1 in the forward

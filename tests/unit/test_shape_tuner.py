@@ -255,6 +255,25 @@ def test_auto_shape_reaches_the_best_fixed_shape(cont, batch_size):
     assert rate > 1.3 * min(world.fixed_rate(k, d, batch_size) for k in cont for d in (1, 32))
 
 
+def test_a_choice_before_any_cost_is_measured_logs_no_predicted_rate(vllm_caplog):
+    """With nothing measured every cost is 0, so a predicted rate would read as infinite (an
+    engine logged "predicted 63999999992.5 tok/s at batch 32"): the log says the costs are not
+    measured yet instead; once they are, it gives the prediction."""
+    import logging
+
+    vllm_caplog.set_level(logging.INFO, logger="vllm")
+    tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+    tuner._choose(32)
+    assert "costs not measured yet" in vllm_caplog.text
+    assert "predicted" not in vllm_caplog.text
+    vllm_caplog.clear()
+    world = World({1: 0.80, 2: 0.86, 4: 0.90, 6: 0.92}, seed=1)
+    run(world, tuner, 300, 1)
+    tuner.width, tuner.depth = 6, 32  # (so the next choice changes the shape, and logs)
+    tuner._choose(1)
+    assert "predicted" in vllm_caplog.text and "not measured" not in vllm_caplog.text
+
+
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_auto_drafts_nothing_where_plain_decoding_is_faster(batch_size):
     """A draft pass nearly as costly as a target step and a weak draft (a CPU with a small

@@ -7,6 +7,7 @@ that arithmetic is (docs/tree_attention.md), so a vLLM upgrade that changes it i
 """
 
 import platform
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -330,8 +331,6 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(isa, block, dty
     prefix lengths (under 32 tokens, at multiples of 32 and of the cache block, across cache
     blocks), rows and tree slots in one batch, and the layer's output rows of other requests
     untouched."""
-    from types import SimpleNamespace
-
     ops = _ops()
     isa_dtype(isa, dtype)
     specs = BATCHES[batch]
@@ -380,6 +379,82 @@ def test_every_requests_rows_in_one_kernel_call_equal_each_alone(isa, block, dty
                                        values[r.req_index], visible, scale, isa, block)
             assert torch.equal(out[r.q_start + i], expected), f"request {r.req_index} row {i}"
     assert (out[masks[0].shape[0]] == 7.0).all()  # the plain row is the backend's
+
+
+@pytest.mark.parametrize("plain_row", [False, True], ids=["only-tree-rows", "a-plain-row"])
+def test_the_backends_causal_pass_runs_only_for_rows_outside_the_plan(plain_row,
+                                                                      monkeypatch):
+    """vLLM's CPU backend `forward` wrapped as the engine wraps it
+    (`patches.tree_attention_forward`), on real backend objects: when every row of the call is a
+    tree row, vLLM's causal pass (which would be overwritten whole) does not run, and the rows
+    are bit-identical to running it then recomputing them; a plain request's row in the call
+    runs it, and keeps the backend's result."""
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.attention.backends.cpu_attn import (
+        CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata)
+
+    from vllm_subspec.vllm_hooks.patches import tree_attention_forward
+
+    ops = _ops()
+    isa, dtype, heads, kv_heads, d = "vec", torch.bfloat16, 9, 3, 64
+    assert not CPUAttentionBackend.forward_includes_kv_cache_update  # the layer writes KV
+    g = torch.Generator().manual_seed(11)
+    specs = BATCHES["blocks"] + ([(200, "one")] if plain_row else [])
+    per = 512 // BS
+    kv = torch.zeros(len(specs) * per + 2, kv_heads, BS, 2 * d, dtype=dtype)
+    tables = torch.randperm(kv.shape[0], generator=g)[: len(specs) * per].view(-1, per) \
+        .to(torch.int32)
+    for table in tables:
+        logical = torch.arange(512)
+        write(ops, kv, (2 * torch.randn(512, kv_heads, d, generator=g)).to(dtype),
+              torch.randn(512, kv_heads, d, generator=g).to(dtype),
+              table[logical // BS].long() * BS + logical % BS, isa)
+    masks = [request_mask(g, *spec[1:]) for spec in specs]
+    q_lens = [m.shape[0] for m in masks]
+    starts = [sum(q_lens[:i]) for i in range(len(masks))]
+    query = (2 * torch.randn(sum(q_lens), heads, d, generator=g)).to(dtype)
+    # each request's rows end its context: the verify's, a level pass's or a decode's
+    seq_lens = i32([spec[0] + m.shape[1] for spec, m in zip(specs, masks)])
+    query_start_loc = i32(starts + [sum(q_lens)])
+    metadata = CPUAttentionMetadata(
+        num_actual_tokens=sum(q_lens), max_query_len=max(q_lens),
+        query_start_loc=query_start_loc, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
+        block_table=tables, slot_mapping=torch.empty(0, dtype=torch.int64),
+        scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(specs), num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+            seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=True,
+            sliding_window_size=-1, isa=isa, enable_kv_split=False))
+    # the backend reads the model's dtype from the engine's config at construction
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
+    impl = CPUAttentionBackendImpl(heads, d, d ** -0.5, kv_heads, None, None, "auto")
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    vllm_forward = getattr(CPUAttentionBackendImpl.forward, "__subspec_original__",
+                           CPUAttentionBackendImpl.forward)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return vllm_forward(*args, **kwargs)
+
+    trees = len(BATCHES["blocks"])  # the plain row, when there is one, comes last
+    plan = TreePlan([TreeRows(i, s, spec[0], m) for i, (s, spec, m)
+                     in enumerate(zip(starts[:trees], specs, masks))])
+    outputs = {}
+    for skip in (True, False):
+        output = torch.full((query.shape[0], heads * d), 7.0, dtype=dtype)
+        with tree_plan(plan):
+            tree_attention_forward(counted, kv_written_apart=skip)(
+                impl, layer, query, None, None, kv, metadata, output)
+        outputs[skip] = output
+    # the backend ran in the reference call, and in the wrapped one only for the plain row
+    assert len(calls) == 1 + plain_row
+    assert torch.equal(outputs[True], outputs[False])
+    assert not (outputs[True] == 7.0).all(-1).any()  # every row written
+    if plain_row:  # the plain row is the backend's causal decode of it
+        assert torch.equal(outputs[True].view(-1, heads, d)[-1],
+                           decode(ops, query[-1], kv, tables[-1], int(seq_lens[-1]),
+                                  d ** -0.5, isa))
 
 
 def scratch_contexts(plan, cache_block):
@@ -483,8 +558,6 @@ def test_the_scratch_layout_is_computed_once_per_forward(isa, monkeypatch):
     """Every attention layer of a forward has the same tree rows and block tables: the scratch
     layout is computed by the first layer's call and reused by the next (another layer's
     cache), whose rows still equal that layer's own computation; a new plan computes anew."""
-    from types import SimpleNamespace
-
     import vllm_subspec.step.tree_attention as ta
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 

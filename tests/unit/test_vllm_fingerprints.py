@@ -49,6 +49,16 @@ WRAP_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {
 # unaffected (docs/gpu.md, "vLLM 0.33.0 vs 0.32.0"). A new difference must be audited, added to
 # that table and here; an entry whose function no longer differs is an error too.
 KNOWN_DIFFERENCES: dict[str, str] = {
+    "vllm.model_executor.layers.attention.attention:Attention.forward":
+        "0.33 skips quantizing an fp8 query; the KV update still runs before the backend's "
+        "forward (`forward_includes_kv_cache_update` False)",
+    "vllm.v1.core.sched.scheduler:Scheduler.__init__":
+        "0.33 adds draft skipping (V2 runner only), hash lookahead, a local prefill cadence and "
+        "deferred async loads; `dynamic_sd_lookup` is built from the same schedule",
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule":
+        "0.33 adds the prefill cadence, draft skipping, priority re-admission and hash "
+        "lookahead; the uniform-decode padding rule and its `dynamic_sd_lookup is None` "
+        "condition are unchanged",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids":
         "0.33 removes the Medusa branch; the draft-model branch SubSpec's plans reach is unchanged",
     "vllm.config.vllm:VllmConfig._get_v1_model_runner_unsupported_features":

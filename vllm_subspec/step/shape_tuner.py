@@ -488,6 +488,10 @@ class ShapeTuner:
                             "%.1f tok/s at batch %d); probe steps draft one in %d, backing "
                             "off to one in %d", plain, rate, batch_size, RECHOOSE_EVERY,
                             MAX_PROBE_EVERY)
+            elif not any(self.verify[w].known for w in self.widths):
+                # no verify timed yet: every cost reads 0, the predicted rate infinite
+                logger.info("vllm-subspec: tree shape %dx%d (width x max depth) at batch %d, "
+                            "its costs not measured yet", best[0], best[1], batch_size)
             else:
                 logger.info("vllm-subspec: tree shape %dx%d (width x max depth), predicted "
                             "%.1f tok/s at batch %d", best[0], best[1], rate, batch_size)

@@ -1,18 +1,21 @@
 """Ancestor-only attention for tree tokens, on top of vLLM's paged KV cache.
 
-The attention backends' `forward` is wrapped (vllm_hooks/patches.py): the backend writes the
-step's KV and computes causal attention for every row, then `apply_tree_attention` recomputes
-the rows of the active `TreePlan` (`tree_plan`) over the prefix [0, L), the node's ancestors
-and itself, in one call per layer for every tree request: vLLM's own CPU kernel over a scratch
-cache (`_cpu_kernel_rows`), or on CUDA one Triton kernel (`tree_attention_triton`); a CPU cache
-of another dtype than the query's falls back to torch, per request (`_torch_rows`). Rows of
-other requests stay as the backend computed them. Design: docs/tree_attention.md.
+The attention backends' `forward` is wrapped (vllm_hooks/patches.py): the backend computes
+causal attention for every row (over the KV its layer wrote before), then
+`apply_tree_attention` recomputes the rows of the active `TreePlan` (`tree_plan`) over the
+prefix [0, L), the node's ancestors and itself, in one call per layer for every tree request:
+vLLM's own CPU kernel over a scratch cache (`_cpu_kernel_rows`), or on CUDA one Triton kernel
+(`tree_attention_triton`); a CPU cache of another dtype than the query's falls back to torch,
+per request (`_torch_rows`). Rows of other requests stay as the backend computed them; when
+every row is a tree row (`TreePlan.num_rows`), the backend's pass is not run. Design:
+docs/tree_attention.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +50,11 @@ class TreePlan:
     # what the kernels read besides K/V (`cpu_scratch`, `tree_rows_layout`), laid out by the
     # forward's first attention layer and reused by the others: key -> (block table, layout)
     layouts: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def num_rows(self) -> int:
+        """Query rows of all its requests (host ints: the masks' shapes)."""
+        return sum(r.tree_mask.shape[0] for r in self.rows)
 
     def layout(self, key, block_table: torch.Tensor, make):
         """The layout under `key` for this block table (every layer of one forward reads the

@@ -92,6 +92,8 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
     if options.is_tree:  # every platform: the tree gather reads raw, unwindowed KV
         _refuse_unreadable_kv(engine_args, target_model_config)
         _refuse_micro_batching(target_parallel_config)
+    if options.is_tree or not platform.is_cuda_alike():
+        _no_placeholder_drafts(engine_args, options, target_parallel_config)
     if not platform.is_cuda_alike():
         return  # the CPU platform: no async scheduling, its own attention backend
     _offload_through_prefetch(engine_args, target_model_config, options)
@@ -252,6 +254,20 @@ def _require_offload(engine_args, options: SubSpecOptions) -> None:
             "substitute_layers='offloaded' selects no layer and the draft would be the "
             "full-precision target: slower than plain decoding. Offload weights "
             "(e.g. --cpu-offload-gb 10), or set substitute_layers to 'all' or a list of layers")
+
+
+def _no_placeholder_drafts(engine_args, options: SubSpecOptions,
+                           target_parallel_config) -> None:
+    """One batch-size schedule of the same budget for every batch size, so the scheduler does
+    not pad: `Scheduler.schedule` pads a new request with one token to run (a prompt cached but
+    for its last token) with `num_speculative_tokens` placeholder drafts, to keep decode
+    batches uniform for full CUDA graphs, which a tree (PIECEWISE) or a CPU engine does not
+    capture; SubSpec would verify them: 1 + 192 rows for nothing with the default budget. With
+    the schedule set, vLLM would also turn a chain's full graphs off: CUDA chains keep the
+    padding. vLLM drops schedules under data parallelism (with a warning): not set there."""
+    if target_parallel_config.data_parallel_size == 1:
+        engine_args.speculative_config["num_speculative_tokens_per_batch_size"] = [
+            (1, 1, options.num_draft_tokens)]
 
 
 def _no_async_scheduling(engine_args) -> None:

@@ -110,34 +110,58 @@ def weight_hook(original):
 
 # ---- 4. tree attention inside vLLM's attention backends ---------------------------------
 # Targets: vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward and, on CUDA,
-# vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward. The backend writes KV and
-# computes causal attention; the rows of the active tree plan are then recomputed with the
-# ancestor-only mask (`tree_attention.apply_tree_attention`); a no-op without a plan.
+# vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward. Both backends write the
+# step's KV before `forward` (`forward_includes_kv_cache_update` False: the layer calls
+# `do_kv_cache_update`), and `forward` computes causal attention for every row; the rows of
+# the active tree plan are then recomputed with the ancestor-only mask
+# (`tree_attention.apply_tree_attention`); a no-op without a plan.
 def _patch_attention_backends() -> None:
     from vllm.platforms import current_platform
 
-    from vllm_subspec.step.tree_attention import apply_tree_attention
-
-    def make(original):
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
-                    **kwargs):
-            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                              *args, **kwargs)
-            apply_tree_attention(self, layer, query, kv_cache, attn_metadata, output)
-            return result
-
-        return forward
-
     try:
         if current_platform.is_cpu():
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as backend
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as impl
         else:
+            from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend as backend
             from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl as impl
     except ImportError as e:  # e.g. a platform without FlashAttention: trees unavailable
         logger.warning("vllm-subspec: no tree attention on this platform (%s); use "
                        "tree_width=1", e)
         return
-    _wrap(impl, "forward", make, "attention_forward")
+    kv_written_apart = not backend.forward_includes_kv_cache_update
+    _wrap(impl, "forward", lambda original: tree_attention_forward(original, kv_written_apart),
+          "attention_forward")
+
+
+def tree_attention_forward(original, kv_written_apart: bool):
+    """The backend's `forward` with the active tree plan's rows recomputed. When every row of
+    the call is a tree row and the KV was written before `forward` (`kv_written_apart`), the
+    backend's causal pass, which would be overwritten whole, is not run."""
+    from vllm.v1.attention.backend import AttentionType
+
+    from vllm_subspec.step.tree_attention import active_tree_plan, apply_tree_attention
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                **kwargs):
+        plan = active_tree_plan()
+        if plan is None:  # no tree rows (every plain step): the backend alone
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                            *args, **kwargs)
+        if kv_written_apart and attn_metadata is not None and not args \
+                and all(v is None for v in kwargs.values()) \
+                and self.attn_type == AttentionType.DECODER \
+                and getattr(self, "dcp_world_size", 1) == 1 \
+                and plan.num_rows == attn_metadata.num_actual_tokens:
+            # every row is a tree row: the backend's pass would be overwritten whole
+            apply_tree_attention(self, layer, query, kv_cache, attn_metadata, output)
+            return output
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                          *args, **kwargs)
+        apply_tree_attention(self, layer, query, kv_cache, attn_metadata, output)
+        return result
+
+    return forward
 
 
 # ---- 5. request features SubSpec refuses: one clear error per request --------------------
