@@ -53,6 +53,10 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.worker.gpu_worker:Worker._make_model_runner",
     "vllm.v1.worker.gpu_worker:Worker.init_device",  # calls _make_model_runner
     "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
+    # executor.py: SubSpec's multiprocess executor brings each step's drafts with its samples
+    "vllm.v1.executor.multiproc_executor:MultiprocExecutor.execute_model",
+    "vllm.v1.executor.multiproc_executor:MultiprocExecutor.sample_tokens",
+    "vllm.v1.executor.multiproc_executor:MultiprocExecutor.take_draft_token_ids",
     # proposer.py, prefetch_overlap.py, draft_model/model.py: the other subclasses
     "vllm.v1.spec_decode.draft_model:DraftModelProposer.__init__",
     "vllm.model_executor.offloader.prefetch:PrefetchOffloader.__init__",
@@ -73,6 +77,14 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.spec_decode.dynamic.utils:build_dynamic_sd_schedule_lookup",
     "vllm.config.vllm:VllmConfig._maybe_override_dynamic_sd_cudagraph_mode",  # (trees: no FULL)
     "vllm.config.vllm:VllmConfig._maybe_disable_dynamic_sd_for_data_parallel",
+    # one RPC a step: the engine core samples, then takes the drafts (post_step), and the
+    # worker's RPC loop finds `sample_tokens_and_drafts` by name
+    "vllm.v1.engine.core:EngineCore.step",
+    "vllm.v1.engine.core:EngineCore.post_step",
+    "vllm.v1.executor.abstract:Executor.get_class",
+    "vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc",
+    "vllm.v1.worker.gpu_worker:Worker.sample_tokens",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.take_draft_token_ids",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",  # picks the ISA
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
     "vllm.v1.attention.backends.cpu_attn:_get_attn_isa",
@@ -183,6 +195,15 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.worker.cpu_worker:CPUWorker.init_device",
      "overridden by SubSpecCPUWorker (vllm_hooks/cpu_runner.py)",
      "the original with its module's CPUModelRunner bound to SubSpecCPUModelRunner"),
+    ("vllm.v1.executor.multiproc_executor:MultiprocExecutor.execute_model",
+     "overridden by SubSpecMultiprocExecutor (vllm_hooks/executor.py), the CPU executor",
+     "forgets the last step's drafts, then the original"),
+    ("vllm.v1.executor.multiproc_executor:MultiprocExecutor.sample_tokens",
+     "overridden (vllm_hooks/executor.py)",
+     "blocking: one RPC to SubSpecWorker.sample_tokens_and_drafts; else the original"),
+    ("vllm.v1.executor.multiproc_executor:MultiprocExecutor.take_draft_token_ids",
+     "overridden (vllm_hooks/executor.py)",
+     "the drafts that came with the samples; none came: the original"),
     ("vllm.v1.spec_decode.draft_model:DraftModelProposer.__init__",
      "overridden (the runner's drafter is a SubSpecProposer, vllm_hooks/proposer.py)",
      "the original, then the session and the offloader"),

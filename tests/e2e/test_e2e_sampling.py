@@ -55,6 +55,22 @@ def _verifier_class(worker) -> str:
     return type(subspec_of(worker).rejection_sampler).__name__
 
 
+def _count_draft_rpcs(worker) -> None:
+    """Count the worker's RPCs that hand over drafts (instance attributes: the worker's RPC
+    loop looks its methods up by name)."""
+    counts = {"sample_tokens_and_drafts": 0, "take_draft_token_ids": 0}
+    for name in counts:
+        def counted(*args, _name=name, _method=getattr(worker, name), **kwargs):
+            counts[_name] += 1
+            return _method(*args, **kwargs)
+        setattr(worker, name, counted)
+    worker.__dict__["draft_rpc_counts"] = counts
+
+
+def _draft_rpc_counts(worker) -> dict:
+    return dict(worker.draft_rpc_counts)
+
+
 @pytest.fixture(scope="module", params=list(DRAFTERS))
 def samples(request, tiny_llama, plain_samples):
     with pytest.MonkeyPatch.context() as mp:
@@ -65,11 +81,13 @@ def samples(request, tiny_llama, plain_samples):
             # the documented verify of every shape: sample-then-match, not vLLM's
             # rejection sampler (steps without drafts: vLLM's own sampler, inside it)
             assert spec.collective_rpc(_verifier_class) == ["SampleMatchVerifier"]
+            spec.collective_rpc(_count_draft_rpcs)
             spec_samples = {name: sample(spec, s) for name, s in SETTINGS.items()}
             stats = acceptance_stats(spec)
+            rpcs = spec.collective_rpc(_draft_rpc_counts)[0]
         finally:
             shutdown(spec)
-    return plain_samples, spec_samples, stats
+    return plain_samples, spec_samples, stats, rpcs
 
 
 def chi_square_p(a: list[int], b: list[int]) -> float:
@@ -84,7 +102,7 @@ def chi_square_p(a: list[int], b: list[int]) -> float:
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_sampled_tokens_follow_target_distribution(samples, name):
-    plain, spec, _ = samples
+    plain, spec, _, _ = samples
     assert all(len(t) == NEW_TOKENS for t in spec[name])
     for pos in range(NEW_TOKENS):
         p = chi_square_p([t[pos] for t in plain[name]], [t[pos] for t in spec[name]])
@@ -96,7 +114,7 @@ def test_sampled_tokens_follow_target_distribution(samples, name):
 def test_top_p_narrows_the_distribution(samples):
     """The prompts are ones where the feature changes plain's output, and SubSpec's samples
     narrow with it too."""
-    plain, spec, _ = samples
+    plain, spec, _, _ = samples
     support = lambda runs: len({t[1] for t in runs})  # noqa: E731
     assert support(plain["top_p"]) < support(plain["temperature"])
     assert support(spec["top_p"]) < support(spec["temperature"])
@@ -104,7 +122,7 @@ def test_top_p_narrows_the_distribution(samples):
 
 def test_drafts_are_partly_accepted(samples):
     # Both outcomes of the walk happened: some drafts accepted, some rejected.
-    _, _, stats = samples
+    _, _, stats, _ = samples
     assert stats.num_drafts > 0
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
@@ -114,6 +132,16 @@ def test_seeded_samples_are_plain_samples(samples, name):
     # Trees and chains draw each emitted token with the noise of plain decoding's draw at that
     # position (verify.SeededDraws), so seeded requests give plain's own samples: fp32 logits
     # differ from plain's by rounding only, which can flip a draw only at an exact near-tie.
-    plain, spec, _ = samples
+    plain, spec, _, _ = samples
     same = sum(a == b for a, b in zip(plain[name], spec[name]))
     assert same == N, f"{name}: {same}/{N} seeded requests equal plain's samples"
+
+
+def test_drafts_come_back_with_the_sampled_tokens(samples):
+    """vLLM's CPU backend runs the multiprocess executor; SubSpec's (vllm_hooks/executor.py)
+    gets each step's drafts in the RPC that samples it, so vLLM's own `take_draft_token_ids`
+    RPC, one more round trip a step, never runs (the samples above are plain's: the drafts
+    reached the scheduler)."""
+    rpcs = samples[3]
+    assert rpcs["sample_tokens_and_drafts"] > 0
+    assert rpcs["take_draft_token_ids"] == 0

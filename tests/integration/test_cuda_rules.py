@@ -14,9 +14,12 @@ from fake_cuda_platform import installed
 from vllm.config import CUDAGraphMode
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from vllm_subspec.config import SubSpecConfigError, options_from_vllm_config
 from vllm_subspec.vllm_hooks.engine_rules import check_final_config, sliding_window_of
+from vllm_subspec.vllm_hooks.executor import SubSpecMultiprocExecutor
 
 TREE = {"method": "subspec", "tree_width": 4, "tree_depth": 3}
 CHAIN = {"method": "subspec", "num_speculative_tokens": 4}
@@ -41,6 +44,8 @@ def test_tree_engine_config_on_cuda(monkeypatch, tiny_llama):
     assert cfg.speculative_config.num_speculative_tokens_per_batch_size == [(1, 1, 12)]
     # vLLM builds SubSpec's runner through SubSpec's worker (vllm_hooks/runner.py)
     assert cfg.parallel_config.worker_cls == "vllm_subspec.vllm_hooks.runner.SubSpecGPUWorker"
+    # one GPU: vLLM's in-process executor, whose draft fetch is a call, not an RPC
+    assert cfg.parallel_config.distributed_executor_backend == "uni"
     check_final_config(cfg, options_from_vllm_config(cfg), fake)  # accepted in the worker
 
 
@@ -118,6 +123,30 @@ def test_sliding_window_detection():
     assert sliding_window_of(MistralConfig(sliding_window=4096)) == 4096
 
 
+@pytest.mark.parametrize("engine_kw, env, expected", [
+    ({}, {}, SubSpecMultiprocExecutor),
+    ({"distributed_executor_backend": "mp"}, {}, SubSpecMultiprocExecutor),
+    ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "uni"),  # in-process: no RPC to save
+    ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}, {},
+     "mp"),  # connectors merge every worker's output, and vLLM checks for "mp" by name
+    ({"kv_offloading_size": 1.0}, {}, "mp"),  # KV offloading makes a connector later
+])
+def test_the_cpu_executor_brings_drafts_with_samples_where_vllm_runs_multiprocess(
+        monkeypatch, tiny_llama, engine_kw, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spec = EngineArgs(model=tiny_llama, speculative_config=dict(CHAIN), max_model_len=512,
+                      **engine_kw).create_engine_config()
+    plain = EngineArgs(model=tiny_llama, max_model_len=512, **engine_kw).create_engine_config()
+    # the executor vLLM's own rules pick for the plain engine is replaced by SubSpec's only
+    # where it is the multiprocess one
+    assert plain.parallel_config.distributed_executor_backend == \
+        ("uni" if expected == "uni" else "mp")
+    assert spec.parallel_config.distributed_executor_backend == expected
+    if expected is SubSpecMultiprocExecutor:
+        assert issubclass(Executor.get_class(spec), MultiprocExecutor)
+
+
 def test_sliding_window_target_refused(monkeypatch, tmp_path, tiny_llama):
     model = tmp_path / "swa"
     shutil.copytree(tiny_llama, model)
@@ -134,6 +163,8 @@ def test_cpu_platform_is_untouched(tiny_llama):
     assert cfg.attention_config.backend is None  # the CPU backend; no offload needed
     assert cfg.parallel_config.worker_cls == \
         "vllm_subspec.vllm_hooks.cpu_runner.SubSpecCPUWorker"
+    # where vLLM runs its multiprocess executor, SubSpec's: the drafts come with the samples
+    assert cfg.parallel_config.distributed_executor_backend is SubSpecMultiprocExecutor
     # no CUDA graphs here: a chain gets the schedule too (no placeholder drafts)
     chain = EngineArgs(model=tiny_llama, speculative_config=dict(CHAIN), max_model_len=512) \
         .create_engine_config()

@@ -739,6 +739,47 @@ class RooflineWorld(World):
         return max(0.004, 0.001 * rows)
 
 
+def test_the_explore_depth_bisection_finds_what_a_depth_by_depth_descent_finds():
+    """`_explore_depth` bisects for the deepest depth whose step fits EXPLORE_COST plain
+    steps (it runs at every plain step while exploration waits): the depth a descent from the
+    deepest, depth by depth, stops at, on costs fitted from random timings (plain steps'
+    forwards, the roofline floor, included)."""
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(60):
+        tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+        for w in (0, 1, 2, 4, 6):
+            for _ in range(rng.randint(1, 4)):
+                tuner.draft_pass[w].add(rng.choice([1, 3, 8, 30]), rng.random() * 0.02)
+        for w in rng.sample([1, 2, 4, 6], rng.randint(1, 4)):
+            for _ in range(rng.randint(1, 4)):
+                tuner.verify[w].add(rng.choice([1, 5, 20, 100]), rng.random() * 0.05)
+            tuner._verify_rows[w] = rng.choice([5.0, 20.0, 100.0])
+        tuner.other.add(0, rng.random() * 0.001)
+        for _ in range(3):
+            for rows in rng.sample([1, 2, 8, 32, 64], rng.randint(1, 3)):
+                tuner.observe_step(False, rows, rows, 0.005 + rng.random() * 0.1)
+        known = [w for w in tuner.widths if tuner.verify[w].known]
+        for batch_size in (1, 2, 8, 32):
+            budget = EXPLORE_COST * batch_size / tuner.guard.rate(False, batch_size) \
+                if tuner.guard.rate(False, batch_size) else None
+            for width in (1, 2, 4, 6):
+                for depth in (1, 2, 7, 32):
+                    got = tuner._explore_depth(width, depth, batch_size)
+                    like, rows = (width if width in known else max(known)), batch_size * width
+                    seconds = [tuner._step_seconds_like(like, batch_size, d - 1,
+                                                        (d - 1) * rows, d * rows)
+                               for d in range(depth + 1)]
+                    if budget is None or seconds[1] > budget:
+                        continue  # not the bisection's: the first look, or nothing fits
+                    descent = depth
+                    while descent > 1 and seconds[descent] > budget:
+                        descent -= 1
+                    assert got == descent, (width, depth, batch_size, seconds, budget)
+                    checked += 1
+    assert checked > 500
+
+
 def test_a_batch_past_the_knee_is_not_probed_at_the_cost_one_request_measured():
     """The never-slower benchmark's sequence on a roofline (256 steps at one request, then
     three runs of 64 steps at 8, then at 32): plain steps' forwards at each batch size put the

@@ -49,6 +49,12 @@ WRAP_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {
 # unaffected (docs/gpu.md, "vLLM 0.33.0 vs 0.32.0"). A new difference must be audited, added to
 # that table and here; an entry whose function no longer differs is an error too.
 KNOWN_DIFFERENCES: dict[str, str] = {
+    "vllm.v1.executor.abstract:Executor.get_class":
+        "0.33 always runs Ray's V2 executor for \"ray\"; an Executor subclass (SubSpec's) is "
+        "taken as before",
+    "vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc":
+        "0.33 feeds a watchdog around the call; the method is still looked up by name on the "
+        "worker",
     "vllm.model_executor.layers.attention.attention:Attention.forward":
         "0.33 skips quantizing an fp8 query; the KV update still runs before the backend's "
         "forward (`forward_includes_kv_cache_update` False)",
@@ -232,7 +238,10 @@ def _subclasses() -> list[tuple[type, type]]:
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_subspec.draft_model.model import CpuFusedRMSNorm
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
     from vllm_subspec.vllm_hooks.cpu_runner import SubSpecCPUModelRunner, SubSpecCPUWorker
+    from vllm_subspec.vllm_hooks.executor import SubSpecMultiprocExecutor
     from vllm_subspec.vllm_hooks.prefetch_overlap import OverlappingPrefetchOffloader
     from vllm_subspec.vllm_hooks.proposer import SubSpecProposer
     from vllm_subspec.vllm_hooks.runner import SubSpecGPUModelRunner, SubSpecGPUWorker
@@ -241,7 +250,8 @@ def _subclasses() -> list[tuple[type, type]]:
     return [(SubSpecProposer, DraftModelProposer), (SubSpecGPUModelRunner, GPUModelRunner),
             (SubSpecCPUModelRunner, CPUModelRunner), (SubSpecGPUWorker, Worker),
             (SubSpecCPUWorker, CPUWorker),
-            (OverlappingPrefetchOffloader, PrefetchOffloader)]
+            (OverlappingPrefetchOffloader, PrefetchOffloader),
+            (SubSpecMultiprocExecutor, MultiprocExecutor)]
 
 
 # modules of vLLM that SubSpec replaces in its own copies (not subclasses): what they run

@@ -359,10 +359,19 @@ class ShapeTuner:
         like = width if width in known else max(known)
         budget = EXPLORE_COST * batch_size / plain
         rows = batch_size * width
-        while depth > 1 and self._step_seconds_like(like, batch_size, depth - 1,
-                                                    (depth - 1) * rows, depth * rows) > budget:
-            depth -= 1
-        return depth
+        # the deepest depth within the budget, else 1: a step's seconds grow with its depth
+        # (one more pass, more verify rows; every cost is non-decreasing in rows), so a
+        # bisection finds it in log2(depth) evaluations (this runs at every plain step while
+        # exploration waits for its allowance)
+        low, high = 1, max(1, depth)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._step_seconds_like(like, batch_size, mid - 1, (mid - 1) * rows,
+                                       mid * rows) > budget:
+                high = mid - 1
+            else:
+                low = mid
+        return low
 
     def verify_cost(self, width: int, rows: float) -> float:
         """Seconds of a verify of `rows` rows of width-k trees: its fitted line; past the most

@@ -7,14 +7,14 @@ import contextlib
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_subspec.vllm_hooks.runner import SubSpecRunner
+from vllm_subspec.vllm_hooks.runner import SubSpecRunner, SubSpecWorker
 
 
 class SubSpecCPUModelRunner(SubSpecRunner, CPUModelRunner):
     pass
 
 
-class SubSpecCPUWorker(cpu_worker.CPUWorker):
+class SubSpecCPUWorker(SubSpecWorker, cpu_worker.CPUWorker):
     """vLLM's CPU worker, building SubSpec's runner. `CPUWorker.init_device` builds its runner
     from its module's `CPUModelRunner` (it has no `_make_model_runner`, 0.32 and 0.33): for
     that call the name is SubSpec's runner."""

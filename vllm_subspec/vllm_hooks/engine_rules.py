@@ -95,6 +95,8 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
     if options.is_tree or not platform.is_cuda_alike():
         _no_placeholder_drafts(engine_args, options, target_parallel_config)
     if not platform.is_cuda_alike():
+        if platform.is_cpu():
+            _drafts_with_samples(engine_args, target_parallel_config)
         return  # the CPU platform: no async scheduling, its own attention backend
     _offload_through_prefetch(engine_args, target_model_config, options)
     _require_offload(engine_args, options)
@@ -268,6 +270,29 @@ def _no_placeholder_drafts(engine_args, options: SubSpecOptions,
     if target_parallel_config.data_parallel_size == 1:
         engine_args.speculative_config["num_speculative_tokens_per_batch_size"] = [
             (1, 1, options.num_draft_tokens)]
+
+
+def _drafts_with_samples(engine_args, parallel_config) -> None:
+    """On a CPU vLLM runs its multiprocess executor (`CpuPlatform.check_and_update_config`
+    turns "uni" into "mp" unless VLLM_ENABLE_V1_MULTIPROCESSING=0), whose engine core asks for
+    each step's drafts in an RPC of its own (~0.25 ms a step on 2 cores); SubSpec's executor
+    (executor.py) brings them with the sampled tokens. Not over several nodes (vLLM allows
+    only its named backends there), nor with a KV or encoder-cache connector, KV offloading
+    included (vLLM checks for "mp" by name there, and merges every worker's output); another
+    backend a user names (ray, a class) stays."""
+    import os
+
+    backend = parallel_config.distributed_executor_backend
+    multiprocess = backend == "mp" or (
+        backend == "uni" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1")
+    if not multiprocess or parallel_config.nnodes > 1 \
+            or getattr(engine_args, "kv_transfer_config", None) is not None \
+            or getattr(engine_args, "kv_offloading_size", None) is not None \
+            or getattr(engine_args, "ec_transfer_config", None) is not None:
+        return
+    from vllm_subspec.vllm_hooks.executor import SubSpecMultiprocExecutor
+
+    parallel_config.distributed_executor_backend = SubSpecMultiprocExecutor
 
 
 def _no_async_scheduling(engine_args) -> None:

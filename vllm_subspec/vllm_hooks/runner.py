@@ -121,7 +121,17 @@ class SubSpecGPUModelRunner(SubSpecRunner, GPUModelRunner):
     pass
 
 
-class SubSpecGPUWorker(Worker):
+class SubSpecWorker:
+    """Mixed into vLLM's worker classes (GPU and CPU) that build SubSpec's runner."""
+
+    def sample_tokens_and_drafts(self, grammar_output):
+        """vLLM's `sample_tokens`, then the drafts proposed in it (`take_draft_token_ids`):
+        one RPC for both (executor.py, `SubSpecMultiprocExecutor`)."""
+        output = self.sample_tokens(grammar_output)
+        return output, self.model_runner.take_draft_token_ids()
+
+
+class SubSpecGPUWorker(SubSpecWorker, Worker):
     """vLLM's GPU worker, building SubSpec's runner (`Worker._make_model_runner`)."""
 
     def _make_model_runner(self) -> SubSpecGPUModelRunner:
