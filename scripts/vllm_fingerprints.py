@@ -53,6 +53,8 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.worker.gpu_worker:Worker._make_model_runner",
     "vllm.v1.worker.gpu_worker:Worker.init_device",  # calls _make_model_runner
     "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
+    # SubSpecWorker runs a step's two calls on a fresh chunk of Python's frame stack
+    "vllm.v1.worker.gpu_worker:Worker.execute_model",
     # executor.py: SubSpec's multiprocess executor brings each step's drafts with its samples
     "vllm.v1.executor.multiproc_executor:MultiprocExecutor.execute_model",
     "vllm.v1.executor.multiproc_executor:MultiprocExecutor.sample_tokens",
@@ -192,6 +194,12 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
      "original"),
     ("vllm.v1.worker.gpu_worker:Worker._make_model_runner",
      "overridden by SubSpecGPUWorker (vllm_hooks/runner.py)", "SubSpecGPUModelRunner"),
+    ("vllm.v1.worker.gpu_worker:Worker.execute_model",
+     "overridden by SubSpecWorker (vllm_hooks/runner.py), GPU and CPU",
+     "the original, its frames on a fresh stack chunk (stack_chunk.call_on_fresh_chunk)"),
+    ("vllm.v1.worker.gpu_worker:Worker.sample_tokens",
+     "overridden by SubSpecWorker (vllm_hooks/runner.py), GPU and CPU",
+     "the original, its frames on a fresh stack chunk (stack_chunk.call_on_fresh_chunk)"),
     ("vllm.v1.worker.cpu_worker:CPUWorker.init_device",
      "overridden by SubSpecCPUWorker (vllm_hooks/cpu_runner.py)",
      "the original with its module's CPUModelRunner bound to SubSpecCPUModelRunner"),

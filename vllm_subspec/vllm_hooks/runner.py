@@ -17,6 +17,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_subspec.config import options_from_vllm_config
 from vllm_subspec.step.session import StepSession, this_rank_decides
+from vllm_subspec.vllm_hooks.stack_chunk import call_on_fresh_chunk
 
 # The runner whose `load_model` is in progress (the weight hook builds its substitutes).
 _LOADING: contextvars.ContextVar[SubSpecRunner | None] = contextvars.ContextVar(
@@ -122,7 +123,15 @@ class SubSpecGPUModelRunner(SubSpecRunner, GPUModelRunner):
 
 
 class SubSpecWorker:
-    """Mixed into vLLM's worker classes (GPU and CPU) that build SubSpec's runner."""
+    """Mixed into vLLM's worker classes (GPU and CPU) that build SubSpec's runner. A step's
+    two calls run on a fresh chunk of Python's frame stack (stack_chunk.py): no chunk mapped
+    and unmapped per Python call inside them."""
+
+    def execute_model(self, *args, **kwargs):
+        return call_on_fresh_chunk(super().execute_model, args, kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        return call_on_fresh_chunk(super().sample_tokens, args, kwargs)
 
     def sample_tokens_and_drafts(self, grammar_output):
         """vLLM's `sample_tokens`, then the drafts proposed in it (`take_draft_token_ids`):
