@@ -45,6 +45,10 @@ NAMES: tuple[str, ...] = (
     # runner.py, cpu_runner.py: SubSpec's model runners and workers
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._calc_spec_decode_metadata",
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata",  # its fields, for a step without drafts
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_cumsum_and_arange",  # ... its indices
+    "vllm.utils.torch_utils:async_tensor_h2d",  # ... and their copy
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
@@ -185,6 +189,9 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
      "the original, its weight hook handing the target to this runner (CPU)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs", _RUNNER,
      "the original, then SampleMatchVerifier.prepare_verify"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._calc_spec_decode_metadata", _RUNNER,
+     "with drafts: the original; without: the original's result for that batch size, "
+     "cached, with new logits indices (SampleMatchVerifier.no_draft_metadata)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward", _RUNNER,
      "the original inside SampleMatchVerifier.verify_forward"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter", _RUNNER,

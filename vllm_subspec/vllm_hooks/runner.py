@@ -75,6 +75,16 @@ class SubSpecRunner:
         self.rejection_sampler.prepare_verify(scheduler_output)
         return out
 
+    def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
+        """vLLM's verify metadata; for a step without drafts (every plain step of a SubSpec
+        engine) built from a cached copy: one host-to-device copy instead of five and no
+        gathers (`SampleMatchVerifier.no_draft_metadata`)."""
+        build = super()._calc_spec_decode_metadata
+        if num_draft_tokens.any():
+            return build(num_draft_tokens, cu_num_scheduled_tokens)
+        return self.rejection_sampler.no_draft_metadata(num_draft_tokens,
+                                                        cu_num_scheduled_tokens, build)
+
     def _model_forward(self, *args, **kwargs):
         """The target's forward: the verify's tree plan is active for exactly this pass."""
         with self.rejection_sampler.verify_forward():

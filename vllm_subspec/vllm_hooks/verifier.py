@@ -6,9 +6,14 @@ the runner's batch and writes the runner's buffers; everything else is the sessi
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import numpy as np
 import torch
+from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_subspec.step.paged_kv import PagedKv
 from vllm_subspec.step.session import StepSession, VerifyRequest
@@ -20,6 +25,29 @@ class SampleMatchVerifier:
         self.runner = runner
         self.session = session
         self.drafter = drafter  # its KV caches (after load) and its lm_heads
+        self._no_draft: dict[int, SpecDecodeMetadata] = {}  # batch size -> vLLM's metadata
+
+    def no_draft_metadata(self, num_draft_tokens: np.ndarray,
+                          cu_num_scheduled_tokens: np.ndarray,
+                          build: Callable[[np.ndarray, np.ndarray], SpecDecodeMetadata]
+                          ) -> SpecDecodeMetadata:
+        """vLLM's `SpecDecodeMetadata` for a step in which no request has drafts, as
+        `build` (`GPUModelRunner._calc_spec_decode_metadata`) makes it. Without drafts every
+        field but the logits indices depends on the batch size alone, so `build`'s own result
+        is kept per batch size (device tensors nothing writes: vLLM and SubSpec only read a
+        step's metadata) and only the logits indices (each request's last scheduled token) are
+        copied to the device."""
+        fixed = self._no_draft.get(len(num_draft_tokens))
+        if fixed is None:
+            built = build(num_draft_tokens, cu_num_scheduled_tokens)
+            # the cache is a copy: a step's consumers may reassign fields of their own
+            self._no_draft[len(num_draft_tokens)] = dataclasses.replace(built)
+            return built
+        # vLLM's np.repeat(cu - sampled, sampled) + arange with one token sampled a request
+        logits_indices = cu_num_scheduled_tokens - (num_draft_tokens + 1)
+        return dataclasses.replace(
+            fixed, num_draft_tokens=num_draft_tokens.tolist(),
+            logits_indices=async_tensor_h2d(logits_indices, device=fixed.logits_indices.device))
 
     def prepare_verify(self, scheduler_output) -> None:
         """After vLLM's `_prepare_inputs` laid the scheduled drafts out as a chain."""
