@@ -14,6 +14,14 @@ def _pyplot():
     return plt
 
 
+def save(fig, path: Path) -> None:
+    """Lay the figure out, write it as a PNG and free it."""
+    plt = _pyplot()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_depth(report: dict, path: Path) -> None:
     """τ vs depth (chain vs tree) and the draft / verify share of a step per depth."""
     plt = _pyplot()

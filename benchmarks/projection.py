@@ -19,6 +19,12 @@ overlap = min(D · t_draft_pass, slots · layer / bandwidth). With UVA nothing o
 the copy bandwidth (`uva_efficiency` 1; see docs/gpu.md). With the paper's setting (Qwen2.5-7B,
 15.2 GB bf16, 8 GB card, PCIe 4 at ~25 GB/s, τ 27, D 48, ~11 ms per draft pass) this gives ≈ 9x,
 the paper's measured 9.1x.
+
+Head starts (`head_start_levels` m, step/head_start.py) at a hit rate h: a step starts h·m
+passes later on average, and the head starts' own m + 1 passes run beside the verify's
+transfers; the part of them longer than those transfers adds to the step:
+    step = (D - h·m) · t_draft_pass + T_target - overlap + max(0, (m + 1) · t_draft_pass
+           - transfer) + t_host.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class GpuSetting:
     slots: int = 2  # the prefetch offloader's GPU slots (prefetch_plan.SLOTS)
     uva_efficiency: float = 1.0  # UVA reads' bandwidth over the copy bandwidth (at best 1)
     host_ms: float = 0.0  # SubSpec's host work per step not hidden behind the device's
+    head_start_levels: int = 0  # m (0: no head starts)
+    head_start_hit_rate: float = 0.0  # h: the share of steps that start from one
 
     def _extra_prefetch_gb(self) -> float:
         """What the prefetch plan offloads beyond UVA for the same GPU memory: its slots and
@@ -98,9 +106,13 @@ def projected_speedup(tau: float, draft_passes: int, gpu: GpuSetting,
                       substitutes: bool = True) -> float:
     """Projected tokens per second relative to plain offloading (see the module docstring).
     `substitutes=False` for drafters that take no GPU memory (ngram, suffix: draft cost ~0)."""
-    draft_ms = draft_passes * gpu.draft_pass_ms
-    step_ms = draft_ms + gpu.target_ms(subspec=substitutes) - gpu.overlap_ms(draft_ms) \
-        + gpu.host_ms
+    m = gpu.head_start_levels
+    draft_ms = max(0.0, draft_passes - gpu.head_start_hit_rate * m) * gpu.draft_pass_ms
+    target_ms = gpu.target_ms(subspec=substitutes)
+    # head starts' passes beside the verify: what outlasts its transfers adds to the step
+    beside_ms = max(0.0, (m + 1) * gpu.draft_pass_ms - (target_ms - gpu.target_compute_ms)) \
+        if m else 0.0
+    step_ms = draft_ms + target_ms - gpu.overlap_ms(draft_ms) + beside_ms + gpu.host_ms
     return tau * gpu.target_ms(subspec=False) / step_ms
 
 

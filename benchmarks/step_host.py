@@ -19,6 +19,7 @@ import sys
 import time
 
 from benchmarks.depth_sweep import RESULTS, environment
+from vllm_subspec.step.tree_attention import TreeRows
 
 
 def verify_ms(batch: int, output_len: int, penalties: bool, repeats: int) -> float:
@@ -48,6 +49,9 @@ class FreePasses:
 
     def bonus_pass(self, tokens):
         return tokens[:, None].float(), self.roots
+
+    def tree_rows(self, row, q_start, request, root, mask):
+        return TreeRows(row, q_start, root, mask)
 
     def level_pass(self, depth, width, tokens, active):
         return tokens[:, None].float()

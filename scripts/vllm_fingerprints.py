@@ -49,7 +49,12 @@ NAMES: tuple[str, ...] = (
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata",  # its fields, for a step without drafts
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_cumsum_and_arange",  # ... its indices
     "vllm.utils.torch_utils:async_tensor_h2d",  # ... and their copy
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+    # head starts: their scratch slots are the lookahead vLLM reserves past a verify
+    "vllm.config.vllm:VllmConfig.num_lookahead_tokens",
+    "vllm.v1.worker.block_table:BlockTable.append_row",  # ... counted in num_blocks_per_row
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__",
@@ -192,8 +197,12 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._calc_spec_decode_metadata", _RUNNER,
      "with drafts: the original; without: the original's result for that batch size, "
      "cached, with new logits indices (SampleMatchVerifier.no_draft_metadata)"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata", _RUNNER,
+     "the original; its drafter metadata kept for the verify's head starts"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward", _RUNNER,
      "the original inside SampleMatchVerifier.verify_forward"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model", _RUNNER,
+     "the original, then the verify's head starts (SubSpecProposer.draft_head_starts)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter", _RUNNER,
      "True whenever there is a batch (trees stop per request); chains: the original"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids", _RUNNER,

@@ -43,6 +43,7 @@ def verify_step(batch: int, vocab: int = 64):
     from vllm_subspec.config import SubSpecOptions
     from vllm_subspec.step.session import StepSession
     from vllm_subspec.step.tree import StoredTree
+    from vllm_subspec.vllm_hooks.head_start_stream import HeadStartStream
     from vllm_subspec.vllm_hooks.verifier import SampleMatchVerifier
 
     session = StepSession(SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 3}))
@@ -62,7 +63,8 @@ def verify_step(batch: int, vocab: int = 64):
         sampler=Sampler(), max_num_reqs=7 * max(batch, 8))  # one chunk holds every row
     impl = object.__new__(CPUAttentionBackendImpl)
     drafter = SimpleNamespace(kv_caches=lambda: [(impl, kv, "vec16")],
-                              model=SimpleNamespace(compute_logits=None))
+                              model=SimpleNamespace(compute_logits=None),
+                              head_stream=HeadStartStream(torch.device("cpu")))
     logits = torch.randn(7 * batch, vocab) * 0.01
     for i in range(batch):  # the root draws 6 (node 2), node 2 draws 8 (node 4), then 1
         logits[7 * i, 6] = logits[7 * i + 2, 8] = logits[7 * i + 4, 1] = 50.0

@@ -101,6 +101,9 @@ class SubSpecOptions:
     lm_head: the largest matrix a draft pass reads), "target" (the target's own), or "auto"
     (`draft_lm_heads`: an auto shape's tuner picks per engine between the two from paired
     measurements; a fixed shape drafts with the target's)."""
+    head_start_levels: int = 0
+    """Levels of the next tree drafted while the target verifies this one, below the likeliest
+    leaf (step/head_start.py); 0: none. Trees only."""
     cpu_draft_memory: float = 0.4
     """On vLLM's CPU backend, the most RAM the draft may add (substitutes, its lm_head, dense
     twins) as a fraction of the target's weight bytes: dense twins only where they fit
@@ -184,6 +187,14 @@ class SubSpecOptions:
             raise SubSpecConfigError(
                 f"invalid speculative_config: tree_width * tree_depth must be at most "
                 f"{MAX_TREE_NODES}, got {raw['tree_width']} * {raw['tree_depth']}")
+        levels, k, d = raw.get("head_start_levels", 0), raw["tree_width"], raw["tree_depth"]
+        if levels and d + 2 + (levels - 1) * k > k * d:
+            # vLLM reserves k * D slots past a verify; a head start needs its branch (up to D
+            # nodes), the leaf, the predicted root and levels - 1 levels of k there
+            raise SubSpecConfigError(
+                f"invalid speculative_config: head_start_levels {levels} needs "
+                f"{d + 2 + (levels - 1) * k} KV slots past a verify of a {k} x {d} tree, which "
+                f"reserves {k * d}; lower head_start_levels or deepen the tree")
         if isinstance(raw.get("substitute_layers"), list):
             raw["substitute_layers"] = tuple(raw["substitute_layers"])
         if raw.get("substitute_cache") is None:
@@ -215,6 +226,12 @@ def _problems(raw: dict[str, Any]) -> list[str]:
                 not _is_int(v) or not 1 <= v <= hi):
             auto = "" if name == "num_speculative_tokens" else f' or "{AUTO}"'
             p.append(f"{name} must be an integer in [1, {hi}]{auto}, got {v!r}")
+    levels = get("head_start_levels", 0)
+    if not _is_int(levels) or not 0 <= levels <= MAX_DEPTH:
+        p.append(f"head_start_levels must be an integer in [0, {MAX_DEPTH}], got {levels!r}")
+    elif levels and (get("tree_width") == 1 or get("num_speculative_tokens") is not None):
+        p.append("head_start_levels needs a tree (tree_width > 1 or \"auto\"): a chain has no "
+                 "KV slots to spare past its verify")
     max_depth = get("max_tree_depth")
     if max_depth is not None:
         if not _is_int(max_depth) or not 1 <= max_depth <= MAX_DEPTH:

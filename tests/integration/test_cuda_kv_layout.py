@@ -47,6 +47,8 @@ def test_flash_attention_cache_reader(probes, layout):
     assert r["gather_exact"], "tokens written by vLLM's writer read back from other slots"
     assert r["attention_ulps"] <= ATTENTION_ULPS
     assert r["hook_without_plan_untouched"]  # no active plan: the backend's output stands
+    # slots no tree row sees are never loaded (a head start's rows beside the verify)
+    assert r["unseen_slots_finite"] and r["unseen_slots_ulps"] <= ATTENTION_ULPS
     assert r["hook_rows_exact"] and r["hook_other_rows_untouched"]
     # every row a tree row: FlashAttention's causal pass is not run (it would be overwritten)
     assert r["flash_calls_tree_rows_only"] == 0 and r["flash_skipped_rows_exact"]

@@ -330,3 +330,33 @@ def test_moe_target_on_cuda_drafts_and_stays_on_uva(monkeypatch):
     assert tp2.parallel_config.tensor_parallel_size == 2
     assert tp2.parallel_config.worker_cls.startswith("vllm_subspec.")
     check_final_config(tp2, options_from_vllm_config(tp2), fake)
+
+
+def test_head_starts_are_refused_where_the_verify_shares_more_than_kv(monkeypatch, tiny_llama):
+    """Head starts draft beside the verify on CUDA: accepted for a dense target on one GPU;
+    refused, before the engine starts, for a MoE target (one experts' workspace), tensor
+    parallelism (collectives from two streams) and a KV connector."""
+    from transformers import AutoConfig
+
+    from subspec_testing.assets import tiny_model_path, tiny_moe_path
+    from vllm_subspec.vllm_hooks.prefetch_plan import decoder_layer_bytes
+
+    head = {**TREE, "head_start_levels": 2}
+    cfg, fake = cuda_config(monkeypatch, tiny_llama, head, **OFFLOAD)
+    assert options_from_vllm_config(cfg).head_start_levels == 2
+    check_final_config(cfg, options_from_vllm_config(cfg), fake)
+    moe = tiny_moe_path("MixtralForCausalLM", num_layers=8)
+    gb = 2 * decoder_layer_bytes(AutoConfig.from_pretrained(moe), 2) / 2**30
+    with pytest.raises(SubSpecConfigError, match="mixture-of-experts"):
+        cuda_config(monkeypatch, moe, head, cpu_offload_gb=gb)
+    dense = tiny_model_path(num_layers=16)
+    gb = 2 * decoder_layer_bytes(AutoConfig.from_pretrained(dense), 2) / 2**30
+    with pytest.raises(SubSpecConfigError, match="tensor-parallel-size"):
+        cuda_config(monkeypatch, dense, head, devices=2, tensor_parallel_size=2,
+                    cpu_offload_gb=gb)
+    with pytest.raises(SubSpecConfigError, match="kv-transfer-config"):
+        cuda_config(monkeypatch, tiny_llama, head, **OFFLOAD, kv_transfer_config={
+            "kv_connector": "ExampleConnector", "kv_role": "kv_both"})
+    # the same engines without head starts are accepted
+    cuda_config(monkeypatch, moe, TREE, cpu_offload_gb=2 * decoder_layer_bytes(
+        AutoConfig.from_pretrained(moe), 2) / 2**30)

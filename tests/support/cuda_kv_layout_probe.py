@@ -289,6 +289,23 @@ def probe(layout: KVCacheLayout) -> dict:
                   for n in caches)
     result["move_changed_elements"] = changed
     result["move_expected_max_elements"] = 2 * len(LAYERS) * len(path) * KV_HEADS * D
+
+    # 6. a head start's rows (step/head_start.py): the slots no row sees (the verify's, which
+    # the verify writes meanwhile) are not read. Poisoned with NaN there, the rows still equal
+    # the reference over what they see.
+    prefix, unseen, frame, rows = 30, 10, 5, 5
+    mask = torch.zeros(rows, unseen + frame + rows, dtype=torch.bool)
+    mask[:, unseen: unseen + frame] = True
+    mask[:, unseen + frame:] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    keys, values = layout_for(impl, kv1).gather(logical_to_slots(block_table[1], logical, BLOCK))
+    nan = torch.full((unseen, KV_HEADS, D), float("nan"), dtype=torch.bfloat16)
+    write(kv1, nan, nan, logical_to_slots(block_table[1], prefix + torch.arange(unseen), BLOCK))
+    q = torch.randn(rows, HEADS, D, dtype=torch.bfloat16)
+    out = tree_attention_rows(q, layout_for(impl, kv1), block_table[1],
+                              TreeRows(1, 0, prefix, mask), SCALE)
+    ref = dense_tree_attention(q, keys, values, prefix, mask)
+    result["unseen_slots_finite"] = bool(torch.isfinite(out).all())
+    result["unseen_slots_ulps"] = bf16_ulps(out, ref) if result["unseen_slots_finite"] else None
     return result
 
 

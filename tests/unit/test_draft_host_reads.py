@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from vllm_subspec.step.draft import draft_chain, draft_tree
 from vllm_subspec.step.tree import TreeShape
-from vllm_subspec.step.tree_attention import active_tree_plan
+from vllm_subspec.step.tree_attention import TreeRows, active_tree_plan
 
 VOCAB = 50
 META = torch.device("meta")
@@ -55,6 +55,9 @@ class MetaPasses:
 
     def chain_pass(self, index, input_ids):
         return self._hidden(input_ids.shape[0])
+
+    def tree_rows(self, row, q_start, request, root, mask):
+        return TreeRows(row, q_start, root, mask)
 
     def level_pass(self, depth, width, tokens, active):
         plan = active_tree_plan()

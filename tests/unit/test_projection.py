@@ -73,3 +73,24 @@ def test_moe_offload_bytes_per_backend():
     assert taus[0] == 1.0 and taus == sorted(taus)  # wider verifies need more accepted tokens
     assert report["rows"][-1]["uva_break_even_tau"] == report["rows"][-1][
         "prefetch_break_even_tau"]  # once every expert is touched, both stream everything
+
+
+def test_head_starts_save_their_confirmed_passes_and_pay_what_outlasts_the_verify():
+    off = projected_speedup(27.08, 48, PAPER)
+    assert projected_speedup(27.08, 48, dataclasses.replace(
+        PAPER, head_start_levels=16, head_start_hit_rate=0.0)) == off  # no hit: no change
+    half = dataclasses.replace(PAPER, head_start_levels=16, head_start_hit_rate=0.5)
+    full = dataclasses.replace(PAPER, head_start_levels=16, head_start_hit_rate=1.0)
+    assert off < projected_speedup(27.08, 48, half) < projected_speedup(27.08, 48, full)
+    # passes longer than the verify's transfers: the excess is paid
+    deep = dataclasses.replace(PAPER, head_start_levels=47, head_start_hit_rate=1.0,
+                               bandwidth_gbps=250.0)
+    free = dataclasses.replace(deep, head_start_levels=0, head_start_hit_rate=0.0)
+    verify_ms = deep.target_ms(subspec=True)
+    assert 48 * deep.draft_pass_ms > verify_ms
+    step_free = 27.08 * deep.target_ms(subspec=False) / projected_speedup(27.08, 48, free)
+    step_deep = 27.08 * deep.target_ms(subspec=False) / projected_speedup(27.08, 48, deep)
+    assert step_deep == pytest.approx(step_free - 47 * deep.draft_pass_ms
+                                      + 48 * deep.draft_pass_ms - verify_ms
+                                      + free.overlap_ms(48 * deep.draft_pass_ms)
+                                      - deep.overlap_ms(1 * deep.draft_pass_ms))

@@ -23,7 +23,7 @@ from vllm_subspec.step.session import StepSession, VerifyRequest
 from vllm_subspec.step.rate_guard import EXPLORE_BUDGET
 from vllm_subspec.step.shape_tuner import EXPLORE_COST, ShapeTuner, StepCosts
 from vllm_subspec.step.tree import TreeShape
-from vllm_subspec.step.tree_attention import active_tree_plan
+from vllm_subspec.step.tree_attention import TreeRows, active_tree_plan
 
 V = 12
 BS, KV_HEADS, D = 16, 2, 32
@@ -81,6 +81,9 @@ class StubPasses:
         self.calls.append(("chain", input_ids.tolist(), None))
         return self._hidden(input_ids)
 
+    def tree_rows(self, row, q_start, request, root, mask):
+        return TreeRows(row, q_start, root, mask)
+
     def level_pass(self, depth, width, tokens, active):
         plan = active_tree_plan()
         self.calls.append(("level", tokens.tolist(), active,
@@ -95,11 +98,11 @@ OTHER_HEAD = next_token_table(3)  # the draft's other lm_head: another bigram ta
 HEADS = {"target": DRAFT, None: DRAFT, "quantized": OTHER_HEAD}
 
 
-def target_greedy(token: int, n: int) -> list[int]:
-    """Plain greedy decoding of the target from `token`: the next n tokens."""
+def target_greedy(token: int, n: int, target: torch.Tensor = TARGET) -> list[int]:
+    """Plain greedy decoding of the target (a bigram table) from `token`: the next n tokens."""
     out = []
     for _ in range(n):
-        token = int(TARGET[token].argmax())
+        token = int(target[token].argmax())
         out.append(token)
     return out
 

@@ -22,6 +22,7 @@ from vllm_subspec.step.tree import StoredTree
 from vllm_subspec.step.tree_attention import active_tree_plan
 from vllm_subspec.step.verify import (PLACEHOLDER, VerifiedTree, chain_tree, draw_target_tokens,
                                       sample_then_match)
+from vllm_subspec.vllm_hooks.head_start_stream import HeadStartStream
 from vllm_subspec.vllm_hooks.verifier import SampleMatchVerifier
 
 V = 16
@@ -69,7 +70,8 @@ def session() -> StepSession:
 def drafter(kv_caches) -> SimpleNamespace:
     """What the verifier reads of the drafter: its KV caches and its lm_heads."""
     return SimpleNamespace(kv_caches=kv_caches, model=SimpleNamespace(
-        compute_logits=lambda hidden, head: pytest.fail("no lm_head comparison expected")))
+        compute_logits=lambda hidden, head: pytest.fail("no lm_head comparison expected")),
+        head_stream=HeadStartStream(torch.device("cpu")))
 
 
 def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None,

@@ -49,6 +49,9 @@ WRAP_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {
 # unaffected (docs/gpu.md, "vLLM 0.33.0 vs 0.32.0"). A new difference must be audited, added to
 # that table and here; an entry whose function no longer differs is an error too.
 KNOWN_DIFFERENCES: dict[str, str] = {
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata":
+        "0.33 moves the multimodal prefix ranges into compute_mm_prefix_ranges; it returns "
+        "(attention metadata, the drafter's CommonAttentionMetadata) as before",
     "vllm.utils.torch_utils:async_tensor_h2d":
         "0.33 reads pinning from a module constant (PIN_MEMORY) instead of calling "
         "is_pin_memory_available(); the copy is the same",

@@ -45,6 +45,16 @@ class DraftPasses(Protocol):
     def logits(self, hidden: torch.Tensor, lm_head: str | None) -> torch.Tensor:
         """[rows, V] through `lm_head` ("target", "quantized"; None: the draft's only one)."""
 
+    def roots_without_pass(self) -> torch.Tensor:
+        """The roots' positions L [B], as `bonus_pass` returns them, without its forward: the
+        trees' first levels were drafted already (a head start, step/head_start.py)."""
+
+    def tree_rows(self, row: int, q_start: int, request: int, root, mask: torch.Tensor
+                  ) -> TreeRows:
+        """The attention rows of `request`'s tree nodes in a level pass (`row`: its row in the
+        pass; mask: [q_len, m] over the tree's slots L .. L + m - 1): `TreeRows(row, q_start,
+        root, mask)` where the tree's slots follow its root."""
+
     def root_bounds(self, roots: torch.Tensor) -> list[int]:
         """Upper bounds of the roots' positions on the host, known without reading `roots` on a
         device (a sync); exact where reading them is free (CPU)."""
@@ -138,35 +148,42 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
                temperature: float, lm_head: str | None = None,
                drafting_next: DraftingNext | None = None,
                clock: Callable[[], float] = time.perf_counter, keep_hidden: int = 0,
-               blocking_reads: bool = False) -> TreeDraft:
+               blocking_reads: bool = False, starts: list[TreeBatch] | None = None
+               ) -> TreeDraft:
     """Grow this step's trees to `shape.depth` at most, drafting through `lm_head`.
     drafting_next: which requests draft on (`FrontierReads`: every depth on CPU, every 4 on
     a device, without a sync); None: all go on. keep_hidden: keep the first n requests'
     hidden states after each node a pass ran from (`TreeDraft.node_hidden`); blocking_reads:
     `FrontierReads` waits for each check's copy (tensor parallelism). A request stops before a
-    level that would pass max_model_len; `reached` says how deep each got."""
+    level that would pass max_model_len; `reached` says how deep each got. starts: [B] each
+    request's first levels, drafted already (`TreeBatch.resumed`; their nodes' KV in place):
+    no bonus pass, drafting goes on below them."""
     b, k = passes.batch_size, shape.width
     check_every = 4 if passes.on_device else 1
     start = clock()
-    root_hidden, root_pos = passes.bonus_pass(next_token_ids)
-    logits = passes.logits(root_hidden, lm_head)
+    hidden, root_seconds = None, None
+    if starts is not None:
+        root_pos = passes.roots_without_pass()
+        tree = TreeBatch.resumed(shape, starts)
+    else:
+        root_hidden, root_pos = passes.bonus_pass(next_token_ids)
+        logits = passes.logits(root_hidden, lm_head)
+        tree = TreeBatch(shape, next_token_ids.to(torch.int64))
+        tree.grow(sharpened_log_probs(logits, temperature))
+        if keep_hidden:  # [n, nodes, H]: the root's row now, each level's after its pass
+            kept = root_hidden[: keep_hidden]
+            hidden = kept.new_zeros(len(kept), tree.tokens.shape[1], kept.shape[-1])
+            hidden[:, 0] = kept
+        root_seconds = None if passes.on_device else clock() - start
     bounds = passes.root_bounds(root_pos)  # host, without a device read
     # each request's root for its tree rows: exact ints on CPU, 0-d device tensors on a device
     roots = list(root_pos.unbind()) if passes.on_device else bounds
-    tree = TreeBatch(shape, next_token_ids.to(torch.int64))
-    tree.grow(sharpened_log_probs(logits, temperature))
-    hidden = None
-    if keep_hidden:  # [n, nodes, H]: the root's row now, each level's after its pass
-        kept = root_hidden[: keep_hidden]
-        hidden = kept.new_zeros(len(kept), tree.tokens.shape[1], kept.shape[-1])
-        hidden[:, 0] = kept
-    root_seconds = None if passes.on_device else clock() - start
     active = list(range(b))  # the requests still drafting (host)
     rows = None  # their indices on the device; None while all are
-    reached = [1] * b  # depths drafted, per request
+    reached = [tree.grown] * b  # depths drafted, per request
     pass_rows, level_forwards = [], 0
     frontier = FrontierReads(passes, blocking_reads)
-    for d in range(1, shape.depth):
+    for d in range(tree.grown, shape.depth):
         seen = frontier.read(tree.log_mass[:, : d + 1], reached) \
             if drafting_next is not None and d % check_every == 0 else None
         if seen is not None:
@@ -218,7 +235,8 @@ def _level_logits(passes: DraftPasses, tree: TreeBatch, d: int, roots: list,
         else:
             group_rows, subset = device_index(group, tree.tokens.device), group
         # a chain's ancestor-only mask is the causal one: the backend's result stands
-        plan = TreePlan([TreeRows(j, j * k, roots[i], tree.mask[i, level, : level.stop])
+        plan = TreePlan([passes.tree_rows(j, j * k, i, roots[i],
+                                          tree.mask[i, level, : level.stop])
                          for j, i in enumerate(group)]) if k > 1 else None
         with tree_plan(plan):
             out = passes.level_pass(d, k, tree.frontier_tokens(group_rows).reshape(-1), subset)

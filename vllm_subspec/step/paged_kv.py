@@ -254,18 +254,26 @@ class PagedKv:
 
 
 def move_accepted_kv(moves: list[KvMove], kv: PagedKv) -> None:
-    """Each accepted path's KV from slots L + a_j to L + j, j = 1..m, for every request at once:
-    one host-to-device copy of the positions, then one gather and one write per layer (requests'
-    slots never overlap, and every source is read before any write)."""
+    """Each accepted path's KV from slots L + a_j to L + j, j = 1..m, for every request at once
+    (`copy_kv`)."""
     if not moves:
         return
     lengths = [len(m.path) for m in moves]
-    request = np.repeat([m.req_index for m in moves], lengths)
     root = np.repeat([m.root for m in moves], lengths)
-    src = root + np.concatenate([m.path for m in moves])
-    dst = root + np.concatenate([np.arange(1, n + 1) for n in lengths])
+    copy_kv(np.repeat([m.req_index for m in moves], lengths),
+            root + np.concatenate([m.path for m in moves]),
+            root + np.concatenate([np.arange(1, n + 1) for n in lengths]), kv)
+
+
+def copy_kv(requests: np.ndarray, src: np.ndarray, dst: np.ndarray, kv: PagedKv) -> None:
+    """Copy K/V from logical positions `src` to `dst` of the requests `requests` (batch rows;
+    [T] each, host int64), in every layer: one host-to-device copy of the positions, then one
+    gather and one write per layer (every source is read before any write, so a position may
+    be both a source and a destination)."""
+    if len(src) == 0:
+        return
     table = kv.block_table
-    host = torch.from_numpy(np.stack([request, src, dst]).astype(np.int64))
+    host = torch.from_numpy(np.stack([requests, src, dst]).astype(np.int64))
     idx = to_device(host, table.device)
     bs = kv.block_size
     src_slots = table[idx[0], idx[1] // bs].to(torch.int64) * bs + idx[1] % bs

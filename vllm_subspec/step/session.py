@@ -8,9 +8,12 @@ calls them (through vllm_hooks/):
 2. `prepare_verify` (next step): consume them; node i keeps slot L + i but moves to position
    L + depth(i), and the ancestor-only rows form the verify's `TreePlan`.
 3. `verify_forward`: that plan is active for exactly the target's forward.
+   With head starts (`head_start_levels`): `head_start_copies`, the branch KV to copy
+   before the verify, then `draft_head_starts`, the next tree's first levels, drafted
+   while the verify runs (step/head_start.py).
 4. `sample_and_walk`: sample, then match (`verify.sample_then_match`), then move each accepted
-   path's KV from slots L + a_j to L + j; a step without drafts is sampled by vLLM's own
-   sampler (`sampled_plain`).
+   path's KV from slots L + a_j to L + j, and a confirmed head start's nodes to the next
+   tree's slots; a step without drafts is sampled by vLLM's own sampler (`sampled_plain`).
 
 The state across those calls (pending and verifying trees, the plan, an auto shape's tuner, the
 step clock, `StepStats`) lives here only. docs/architecture.md, "One tree step, in run order".
@@ -28,10 +31,18 @@ import torch
 
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.draft import DraftPasses, TreeDraft, draft_chain, draft_tree
+from vllm_subspec.step.head_start import (
+    HeadDraft,
+    HeadPasses,
+    HeadStart,
+    choose_head_starts,
+    draft_heads,
+    hits,
+)
 from vllm_subspec.step.lm_head_choice import COMPARED_REQUESTS
-from vllm_subspec.step.paged_kv import PagedKv, move_accepted_kv
+from vllm_subspec.step.paged_kv import PagedKv, copy_kv, move_accepted_kv
 from vllm_subspec.step.shape_tuner import ShapeTuner, StepPlan
-from vllm_subspec.step.tree import StoredTree, TreeShape
+from vllm_subspec.step.tree import StoredTree, TreeBatch, TreeShape
 from vllm_subspec.step.tree_attention import TreePlan, TreeRows, tree_plan
 from vllm_subspec.step.verify import VerifiedTree, WalkResult, chain_tree, sample_then_match
 
@@ -62,6 +73,9 @@ class StepStats:
     step_seconds: float = 0.0  # from one proposal's end to the next's, idle gaps left out
     tree_width: int = 0  # the last proposal's: nodes per depth (1: a chain; 0: no draft)
     tree_depth: int = 0  # the last proposal's deepest draft handed to vLLM (0: none)
+    head_starts: int = 0  # requests whose next tree's first levels were drafted in a verify
+    head_start_hits: int = 0  # of those, the ones the walk confirmed
+    head_start_steps: int = 0  # proposals that started from confirmed head starts
 
 
 @dataclass
@@ -73,6 +87,7 @@ class VerifyRequest:
     scheduled: list[int]  # the draft tokens vLLM scheduled for it
     root: int  # L: its computed tokens, the root's (bonus token's) position
     query_start: int  # its first query row in the verify forward
+    kv_end: int = 0  # the first position without a KV slot (or max_model_len, if lower)
 
 
 @dataclass
@@ -84,6 +99,25 @@ class PositionWrites:
 
 
 NO_POSITION_WRITES = PositionWrites(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+@dataclass
+class KvCopies:
+    """K/V copies between logical positions, for every request at once (`paged_kv.copy_kv`)."""
+
+    requests: np.ndarray  # [T] int64 batch rows
+    src: np.ndarray  # [T] int64
+    dst: np.ndarray  # [T] int64
+
+
+def kv_copies(copies: list[tuple[int, tuple[np.ndarray, np.ndarray]]]) -> KvCopies:
+    """(batch row, (src, dst)) per request -> one `KvCopies`."""
+    if not copies:
+        empty = np.zeros(0, dtype=np.int64)
+        return KvCopies(empty, empty, empty)
+    return KvCopies(np.concatenate([np.full(len(s), i, dtype=np.int64) for i, (s, _) in copies]),
+                    np.concatenate([s for _, (s, _) in copies]),
+                    np.concatenate([d for _, (_, d) in copies]))
 
 
 def this_rank_decides(decision):
@@ -117,6 +151,12 @@ class StepSession:
         # this step's plan until `propose` drafts it: (its start, its requests, the plan)
         self._plan: tuple[float, list[str], StepPlan] | None = None
         self._prompt_step = False  # the step just run also ran prompt tokens
+        # head starts (step/head_start.py): this verify's, what their passes drafted, and the
+        # confirmed ones' trees, from the walk to the next proposal
+        self._heads: list[HeadStart] = []
+        self._head_draft: HeadDraft | None = None
+        self.head_trees: dict[str, TreeBatch] = {}
+        self._head_start_seconds = 0.0  # this verify's host time in them: not the verify's
 
     @classmethod
     def from_options(cls, options: SubSpecOptions, share: Callable = this_rank_decides
@@ -145,6 +185,7 @@ class StepSession:
             plan = StepPlan(self.shape, adaptive=False, full_depth=True)
         self._plan = None
         if plan.shape.depth == 0:
+            self.head_trees = {}
             self.stats.plain_steps += 1
             self.stats.tree_width = self.stats.tree_depth = 0
             self._end_proposal(start, 0, req_ids)
@@ -207,6 +248,10 @@ class StepSession:
         # both lm_heads rank the target's draws along the accepted paths (`_compare_lm_heads`)
         compared = min(COMPARED_REQUESTS, len(req_ids)) if plan.compare_lm_heads else 0
         adaptive = tuner is not None and plan.adaptive and not plan.full_depth
+        starts = self._head_trees_for(req_ids, k, chain_only)
+        if starts is not None:  # their first levels are drafted: no comparison of heads
+            compared = 0
+            self.stats.head_start_steps += 1
         start = self.clock()
         draft = draft_tree(passes, next_token_ids, plan.shape, self.options.draft_temperature,
                            lm_head,
@@ -215,7 +260,7 @@ class StepSession:
                            if adaptive else None, clock=self.clock,
                            keep_hidden=compared,
                            # every rank checks at the same depths (tensor parallel)
-                           blocking_reads=self.share is not this_rank_decides)
+                           blocking_reads=self.share is not this_rank_decides, starts=starts)
         if tuner is None:  # a fixed shape: k * D tokens each, unless cut short
             self.stats.tree_depth = max(draft.reached)
             pending = self._keep_pending(req_ids, draft, chain_only)
@@ -231,6 +276,16 @@ class StepSession:
         depths = self.share(tuner.verify_depths(log_mass, k, draft.reached))
         self.stats.tree_depth = max(depths)
         return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, depths)], draft.passes
+
+    def _head_trees_for(self, req_ids: list[str], width: int, chain_only: list[bool]
+                        ) -> list[TreeBatch] | None:
+        """The confirmed head starts' trees, when every request of the step has one of this
+        step's width (a batch drafts its levels together) and none is chain-only."""
+        trees, self.head_trees = self.head_trees, {}
+        starts = [trees.get(r) for r in req_ids]
+        if any(t is None or t.shape.width != width for t in starts) or any(chain_only):
+            return None
+        return starts
 
     def _keep_pending(self, req_ids: list[str], draft: TreeDraft, chain_only: list[bool],
                       log_mass: torch.Tensor | None = None, head: str | None = None
@@ -289,6 +344,8 @@ class StepSession:
         self._prompt_step = prompt_tokens
         drafted, self.pending = self.pending, {}  # a tree is verified at most once
         self.verifying, self._verify_plan, self._plan = {}, None, None  # (a plan is one step's)
+        self._heads, self._head_draft, self.head_trees = [], None, {}
+        self._head_start_seconds = 0.0
         if not requests:  # a plain step
             return NO_POSITION_WRITES
         rows, starts, counts, widths, roots = [], [], [], [], []
@@ -308,6 +365,11 @@ class StepSession:
                                      stored.mask[: n + 1, : n + 1]))
             self.verifying[r.req_id] = VerifiedTree(stored, r.root, r.index, True)
         self._verify_plan = TreePlan(rows) if rows else None
+        levels = self.options.head_start_levels
+        if levels:
+            self._heads = choose_head_starts(
+                [(r.req_id, r.index, r.root, drafted[r.req_id], len(r.scheduled), r.kv_end)
+                 for r in requests if r.req_id in drafted], levels)
         # node i (1..n) of a level-ordered tree of width k sits at depth (i - 1) // k + 1
         counts_np = np.asarray(counts, dtype=np.int64)
         owner = np.repeat(np.arange(len(counts)), counts_np)
@@ -327,6 +389,27 @@ class StepSession:
         with tree_plan(plan):
             yield
 
+    def head_start_copies(self) -> KvCopies:
+        """Before the verify: each head start's branch KV to its scratch slots."""
+        return kv_copies([(h.req_index, h.branch_copy()) for h in self._heads])
+
+    def head_starts_to_draft(self) -> bool:
+        return bool(self._heads) and self._head_draft is None
+
+    def draft_head_starts(self, make_passes: Callable[[list[HeadStart]], HeadPasses]) -> None:
+        """The head starts' passes (`make_passes`: over these heads' frames), while the verify
+        runs; kept until its walk."""
+        heads = self._heads
+        if not self.head_starts_to_draft():
+            return
+        start = self.clock()
+        head = self.verifying[heads[0].req_id].tree.head or self.options.draft_lm_heads[0]
+        self._head_draft = draft_heads(make_passes(heads), heads,
+                                       self.options.head_start_levels,
+                                       self.options.draft_temperature, head)
+        self.stats.head_starts += len(heads)
+        self._head_start_seconds += self.clock() - start
+
     # ---- 4. sample, then match; move the accepted paths' KV -----------------------------
     def sampled_plain(self) -> None:
         """A step in which no request had drafts was sampled by vLLM's own sampler (as a
@@ -335,17 +418,20 @@ class StepSession:
 
     def sample_and_walk(self, req_ids: list[str], num_draft: list[int], logits: torch.Tensor,
                         sampling_metadata, topk_topp_sampler, kv: Callable[[], PagedKv],
+                        head_starts_done: Callable[[], None] = lambda: None,
                         max_rows: int | None = None,
                         lm_head_logits: LmHeadLogits | None = None) -> WalkResult:
         """logits: [sum(num_draft) + B, V] the target's, each request's root row first;
-        kv: where the step's KV lives (asked for when a path moves); max_rows: the most rows
-        drawn at once (`verify.sample_then_match`); lm_head_logits: the draft's heads, for a
-        compared step's ranks."""
+        kv: where the step's KV lives (asked for when a path moves); head_starts_done: waits
+        for the head starts' passes (their stream, on CUDA); max_rows: the most rows drawn at
+        once (`verify.sample_then_match`); lm_head_logits: the draft's heads, for a compared
+        step's ranks."""
         trees = [self.verifying.get(rid) if n else None for rid, n in zip(req_ids, num_draft)]
         walk = sample_then_match(trees, num_draft, logits, sampling_metadata, topk_topp_sampler,
                                  max_rows)
         if walk.moves:  # the next step's prefix is contiguous
             move_accepted_kv(walk.moves, kv())
+        self._confirm_head_starts(walk, kv, head_starts_done)
         drafted = [(v, path, n, emitted) for v, path, n, emitted
                    in zip(trees, walk.paths, num_draft, walk.tokens) if v is not None and v.compact]
         self.stats.verified_trees += len(drafted)
@@ -362,8 +448,8 @@ class StepSession:
                                         for v, path, _, emitted in drafted
                                         if v.tree.node_hidden is not None],
                                        max_rows, lm_head_logits)
-        if self._verify_start is not None:
-            seconds = self.clock() - self._verify_start
+        if self._verify_start is not None:  # the head starts' time is theirs
+            seconds = self.clock() - self._verify_start - self._head_start_seconds
             self.stats.verify_seconds += seconds
             widths = {v.tree.width for v, _, _, _ in drafted}
             if self.tuner is not None and len(widths) == 1:  # one step drafts one width
@@ -372,6 +458,25 @@ class StepSession:
         self._verify_start = None
         self.verifying = {}
         return walk
+
+    def _confirm_head_starts(self, walk: WalkResult, kv: Callable[[], PagedKv],
+                             done: Callable[[], None]) -> None:
+        """The head starts the walk confirmed keep their trees for the next proposal, their
+        nodes' KV moved to the next tree's slots (after the accepted paths' moves)."""
+        heads, draft, self._heads, self._head_draft = self._heads, self._head_draft, [], None
+        if not heads or draft is None:
+            return
+        start = self.clock()
+        done()
+        self._head_start_seconds += self.clock() - start
+        levels = self.options.head_start_levels
+        confirmed = hits(heads, draft, levels, walk.paths, walk.tokens)
+        if not confirmed:
+            return
+        copies = kv_copies([(h.req_index, h.next_tree_copy(levels)) for h, _ in confirmed])
+        copy_kv(copies.requests, copies.src, copies.dst, kv())
+        self.head_trees = {h.req_id: tree for h, tree in confirmed}
+        self.stats.head_start_hits += len(confirmed)
 
     def _compare_lm_heads(self, paths: list[tuple[StoredTree, list[int], torch.Tensor]],
                        max_rows: int | None, lm_head_logits: LmHeadLogits) -> None:

@@ -86,6 +86,30 @@ class TreeBatch:
         self.mask[sel, level] = masks
         self.grown = d
 
+    def row(self, i: int) -> TreeBatch:
+        """Request i's tree alone (views of this batch's tensors)."""
+        one = TreeBatch.__new__(TreeBatch)
+        one.shape, one.grown = self.shape, self.grown
+        for name in ("tokens", "parents", "scores", "mask", "log_mass"):
+            setattr(one, name, getattr(self, name)[i: i + 1])
+        return one
+
+    @classmethod
+    def resumed(cls, shape: TreeShape, starts: list[TreeBatch]) -> TreeBatch:
+        """The trees of `shape` of a batch whose requests' first levels were drafted already:
+        request i's are `starts[i]` (one-request trees of the same width, each grown to the
+        same depth), of which the first min(that depth, shape.depth) levels are kept."""
+        grown = min(starts[0].grown, shape.depth)
+        nodes = 1 + grown * shape.width
+        tree = cls(shape, torch.cat([s.tokens[:, 0] for s in starts]))
+        for name in ("tokens", "parents", "scores"):
+            getattr(tree, name)[:, :nodes] = torch.cat([getattr(s, name)[:, :nodes]
+                                                       for s in starts])
+        tree.mask[:, :nodes, :nodes] = torch.cat([s.mask[:, :nodes, :nodes] for s in starts])
+        tree.log_mass[:, : grown + 1] = torch.cat([s.log_mass[:, : grown + 1] for s in starts])
+        tree.grown = grown
+        return tree
+
     def frontier_tokens(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[R, k] tokens at the deepest grown level of the requests in `rows` (default all)."""
         return self.tokens[slice(None) if rows is None else rows, self.shape.level(self.grown)]

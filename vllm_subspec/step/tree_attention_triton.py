@@ -62,6 +62,13 @@ def _attend_tile(q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, tabl
     t = start + tl.arange(0, BLOCK_N)  # logical positions of this tile
     t_ok = t < hi
     if MASKED:
+        j = t - prefix  # tree slot of each position (negative: the prefix)
+        in_tree = (j >= 0) & t_ok
+        seen = tl.load(masks_ptr + req * stride_mr + row[:, None] * stride_mq + j[None, :],
+                       mask=row_ok[:, None] & in_tree[None, :], other=0)
+        # K/V are read only where a row of the tile sees them: a head start's rows never
+        # read the verify's slots, which the verify writes meanwhile (step/head_start.py)
+        t_ok = t_ok & ((j < 0) | (tl.max(seen, axis=0) != 0))
         block = tl.load(block_table_ptr + table_row * stride_bt + t // PAGE, mask=t_ok, other=0)
     else:
         block = tl.load(block_table_ptr + table_row * stride_bt + t // PAGE)
@@ -83,10 +90,6 @@ def _attend_tile(q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, tabl
     else:
         s = tl.dot(q, k) * scale
     if MASKED:
-        j = t - prefix  # tree slot of each position (negative: the prefix)
-        in_tree = (j >= 0) & t_ok
-        seen = tl.load(masks_ptr + req * stride_mr + row[:, None] * stride_mq + j[None, :],
-                       mask=row_ok[:, None] & in_tree[None, :], other=0)
         visible = row_ok[:, None] & t_ok[None, :] & ((j < 0)[None, :] | (seen != 0))
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -98,6 +98,8 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
         if platform.is_cpu():
             _drafts_with_samples(engine_args, target_parallel_config)
         return  # the CPU platform: no async scheduling, its own attention backend
+    _refuse_shared_head_starts(engine_args, options, target_model_config,
+                               target_parallel_config)
     _offload_through_prefetch(engine_args, target_model_config, options)
     _require_offload(engine_args, options)
     _no_async_scheduling(engine_args)
@@ -140,6 +142,31 @@ def _refuse_moe_extras(engine_args, target_model_config, target_parallel_config)
         raise SubSpecConfigError(
             f"mixture-of-experts targets run with SubSpec without {', '.join(used)}; serve "
             "without them, or without --speculative-config")
+
+
+def _refuse_shared_head_starts(engine_args, options: SubSpecOptions, target_model_config,
+                               target_parallel_config) -> None:
+    """On CUDA head starts draft on a stream of their own beside the verify: nothing the two
+    share may be written by both (step/head_start.py). A MoE target's fused experts take their
+    scratch from one global workspace, tensor parallelism runs collectives on shared
+    communicators (two in flight from two streams can deadlock), and a KV connector moves KV
+    on its own schedule."""
+    if not options.head_start_levels:
+        return
+    archs = getattr(target_model_config.hf_config, "architectures", None) or []
+    shared = {
+        "a mixture-of-experts target (its experts' workspace is shared)": any(
+            a in SUPPORTED_MOE_ARCHITECTURES for a in archs),
+        "--tensor-parallel-size > 1 (collectives from two streams)":
+            target_parallel_config.tensor_parallel_size > 1,
+        "--kv-transfer-config (a connector moves KV on its own schedule)":
+            getattr(engine_args, "kv_transfer_config", None) is not None,
+    }
+    used = [name for name, on in shared.items() if on]
+    if used:
+        raise SubSpecConfigError(
+            f"head_start_levels drafts beside the verify on CUDA, which is not safe with "
+            f"{', '.join(used)}; drop head_start_levels")
 
 
 def subspec_worker_cls(platform) -> str:

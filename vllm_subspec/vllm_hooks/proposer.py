@@ -36,12 +36,16 @@ from vllm_subspec.draft_model.substitute_set import (
     settle_host_memory,
 )
 from vllm_subspec.step.draft import HostCopy, device_index
+from vllm_subspec.step.head_start import HeadStart
 from vllm_subspec.step.lm_head_choice import COMPARED_REQUESTS
 from vllm_subspec.step.node_constraints import chain_only_reason
 from vllm_subspec.step.paged_kv import logical_to_slots
 from vllm_subspec.step.session import StepSession
-from vllm_subspec.step.tree import TreeShape, widest_level
+from vllm_subspec.step.transfer import to_device
+from vllm_subspec.step.tree import TreeShape, sharpened_log_probs, widest_level
+from vllm_subspec.step.tree_attention import TreePlan, TreeRows, tree_plan
 from vllm_subspec.vllm_hooks.draft_compile import build_draft_model
+from vllm_subspec.vllm_hooks.head_start_stream import HeadStartStream
 from vllm_subspec.vllm_hooks.metrics import METRICS_DIR_ENV, StepMetricsFile
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
@@ -68,6 +72,7 @@ class SubSpecProposer(DraftModelProposer):
         self._peak_temporaries_profiled = False  # dummy_run: once, in vLLM's profiling pass
         self.captured_buckets: set[int] = set()  # row counts whose draft pieces are captured
         self.metrics: StepMetricsFile | None = None  # set in load_model (TP rank 0)
+        self.head_stream = HeadStartStream(device)
 
     # ---- loading -------------------------------------------------------------------------
     def build_substitutes(self, target: nn.Module, device: torch.device,
@@ -240,7 +245,8 @@ class SubSpecProposer(DraftModelProposer):
         are held, first the draft's widest level past its layers (logits, sharpened fp32
         log-probabilities, top-k over k x V candidates, a compared step's kept hidden states),
         then the verify's draws (the step's per-request penalty counts, one chunk of
-        max_num_seqs rows in fp32 with its counts and masks, vLLM's top-k/top-p sampler).
+        max_num_seqs rows in fp32 with its counts and masks, vLLM's top-k/top-p sampler);
+        with head starts, a second widest level held throughout (they draft beside the verify).
         docs/gpu.md, "Engine start-up"."""
         sc = self.vllm_config.scheduler_config
         k = max(self.options.widths)
@@ -252,6 +258,15 @@ class SubSpecProposer(DraftModelProposer):
         node_hidden = torch.empty(compared * (self.options.num_draft_tokens + 1), hidden_size,
                                   dtype=dtype, device=self.device)
         hidden = torch.rand(batch * k, hidden_size, dtype=dtype, device=self.device)
+        head_start = None
+        if self.options.head_start_levels and k > 1:
+            # head starts draft beside the verify, on a stream whose blocks the caching
+            # allocator keeps apart: their widest level's logits and fp32 log-probabilities,
+            # allocated there and held through the rest
+            with self.head_stream.profiling():
+                head_logits = self.model.compute_logits(hidden)
+                head_start = (head_logits,
+                              sharpened_log_probs(head_logits, self.options.draft_temperature))
         logits = self.model.compute_logits(hidden)
         if k > 1:  # a chain's argmax adds nothing beyond its logits
             widest_level(logits, batch, k, self.options.draft_temperature)
@@ -266,7 +281,7 @@ class SubSpecProposer(DraftModelProposer):
         scaled /= 0.5
         full = lambda value: torch.full((chunk,), value, device=self.device)  # noqa: E731
         self.runner.sampler.topk_topp_sampler(scaled, {}, full(vocab - 1), full(0.9))
-        del held
+        del held, head_start
 
     # ---- drafting ------------------------------------------------------------------------
     def propose(
@@ -301,6 +316,16 @@ class SubSpecProposer(DraftModelProposer):
         if self.metrics is not None:
             self.metrics.record(self.session.stats)
         return drafts
+
+    @torch.inference_mode()
+    def draft_head_starts(self, verify_cad) -> None:
+        """After the verify forward is queued (`SubSpecRunner._model_forward`): the session's
+        head starts of this verify, on the head-start stream."""
+        if verify_cad is None or not self.session.head_starts_to_draft():
+            return
+        with self.head_stream.drafting():
+            self.session.draft_head_starts(
+                lambda heads: VllmHeadPasses(self, verify_cad, heads))
 
     def plain_step(self, batch_size: int) -> list[list[int]]:
         """A step the session planned plain (`SubSpecRunner.propose_draft_token_ids`): no
@@ -337,14 +362,16 @@ class SubSpecProposer(DraftModelProposer):
         )
         return decode_cad, last_verified
 
-    def _forward_hidden(self, cad, input_ids: torch.Tensor, draft_index: int) -> torch.Tensor:
+    def _forward_hidden(self, cad, input_ids: torch.Tensor, draft_index: int,
+                        eager: bool = False) -> torch.Tensor:
         """One draft forward over cad's tokens (positions already in self.positions), padded
         to its bucket (`draft_bucket`; padding rows write no KV and are attended by nothing);
-        returns the hidden states of cad's tokens (on CUDA a graph output view)."""
+        returns the hidden states of cad's tokens (on CUDA a graph output view). eager: no
+        graph replay."""
         num_tokens = cad.num_actual_tokens
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(
             cad, draft_index=draft_index)
-        mode, padded = self.draft_bucket(num_tokens)
+        mode, padded = self.draft_bucket(num_tokens, use_cudagraphs=not eager)
         if mode != CUDAGraphMode.NONE:
             self.session.stats.draft_graph_passes += 1
         self.input_ids[:num_tokens] = input_ids
@@ -364,12 +391,14 @@ class SubSpecProposer(DraftModelProposer):
         b = cad.batch_size()
         return self._update_positions_dependent_metadata(positions, cad, b, b, self.block_size)
 
-    def tree_pass_metadata(self, cad, root, block_table, slots, d: int, k: int,
-                           active: list[int] | None, rows: torch.Tensor | None):
-        """Metadata of the pass over depth-d nodes: k query tokens per request, each request's
-        context ending at its last depth-d node (slot L + d*k). root, block_table, slots: of
-        the requests drafting, `active` (batch indices; None: all; `rows`: on the device)."""
-        b = root.shape[0]
+    def tree_pass_metadata(self, cad, seq_lens, block_table, slots, k: int,
+                           active: list[int] | None, rows: torch.Tensor | None,
+                           max_seq_len: int):
+        """Metadata of a pass over k query tokens per request, each request's context ending
+        at `seq_lens` (its last node's slot + 1; at most `max_seq_len`). seq_lens,
+        block_table, slots: of the requests drafting, `active` (batch indices; None: all;
+        `rows`: on the device)."""
+        b = seq_lens.shape[0]
         per_request = {}
         if active is not None:  # the fields vLLM slices per request (its `unpadded`)
             for name in PER_REQUEST_FIELDS:
@@ -384,11 +413,11 @@ class SubSpecProposer(DraftModelProposer):
             **per_request,
             query_start_loc=self.arange[: b + 1] * k,
             query_start_loc_cpu=torch.from_numpy(self.token_arange_np[: b + 1] * k).clone(),
-            seq_lens=(root + 1 + d * k).to(cad.seq_lens.dtype),
+            seq_lens=seq_lens.to(cad.seq_lens.dtype),
             num_reqs=b,
             num_actual_tokens=b * k,
             max_query_len=k,
-            max_seq_len=min(cad.max_seq_len + d * k, self.max_model_len),
+            max_seq_len=max_seq_len,
             block_table_tensor=block_table,
             slot_mapping=slots,
             seq_lens_cpu_upper_bound=None,
@@ -466,9 +495,19 @@ class VllmDraftPasses:
         slots = logical_to_slots(table, root[:, None] + offsets, p.block_size)  # L + i
         n = root.shape[0] * width
         p.positions[:n] = (root[:, None] + depth).expand(-1, width).reshape(-1)
-        step_cad = p.tree_pass_metadata(cad, root, table, slots.reshape(-1), depth, width,
-                                        active, rows)
+        step_cad = p.tree_pass_metadata(cad, root + 1 + depth * width, table,
+                                        slots.reshape(-1), width, active, rows,
+                                        min(cad.max_seq_len + depth * width, p.max_model_len))
         return p._forward_hidden(step_cad, tokens, depth)
+
+    def roots_without_pass(self) -> torch.Tensor:
+        self.positions = self.proposer._advance_one(self.positions, self.cad)
+        self._root = self.positions.clone()
+        return self._root
+
+    def tree_rows(self, row: int, q_start: int, request: int, root, mask: torch.Tensor
+                  ) -> TreeRows:
+        return TreeRows(row, q_start, root, mask)
 
     def logits(self, hidden: torch.Tensor, lm_head: str | None) -> torch.Tensor:
         return self.proposer.model.compute_logits(hidden, lm_head)
@@ -495,3 +534,93 @@ class VllmDraftPasses:
     def synchronize(self) -> None:
         if self.on_device:  # the compute stream only: the offloader's copy stream keeps going
             torch.cuda.current_stream().synchronize()
+
+
+class VllmHeadPasses(VllmDraftPasses):
+    """`head_start.HeadPasses` over a verify batch's head starts (`HeadStart`): request j's
+    nodes in the slots past its verify's (the leaf at S + depth(f), head node i at
+    S + depth(f) + 1 + i), at the positions they would have after the branch (L + depth(f),
+    L' + depth(i)), each seeing the prefix [0, L), its frame and its ancestors. Eager: a
+    graph replay would share the memory pool of the verify graph it runs beside."""
+
+    def __init__(self, proposer: SubSpecProposer, verify_cad, heads: list[HeadStart]):
+        cad, _ = proposer.bonus_token_metadata(verify_cad, None)  # decode-shaped, all rows
+        super().__init__(proposer, cad, cad.seq_lens)
+        self.heads = heads
+        self.batch_size = len(heads)
+        self.on_device = cad.seq_lens.is_cuda
+        self._batch_rows = [h.req_index for h in heads]  # their rows in the verify batch
+        device = cad.seq_lens.device
+        self._batch_index = device_index(self._batch_rows, device)
+        self._table = cad.block_table_tensor[self._batch_index]
+        self._frames = [h.frame(device) for h in heads]
+        self._root_pos: torch.Tensor | None = None
+
+    def _pass(self, logical: list[list[int]], positions: list[list[int]], tokens,
+              rows: list[TreeRows] | None, active: list[int] | None, draft_index: int
+              ) -> torch.Tensor:
+        """One eager forward: row r of request j at `logical[j][r]` (its KV slot), RoPE
+        position `positions[j][r]`, attending as `rows[j]` says (None: the level pass's plan
+        `draft_tree` made active, from `tree_rows`)."""
+        p = self.proposer
+        heads = self.heads if active is None else [self.heads[j] for j in active]
+        index = None if active is None else device_index(active, self._table.device)
+        table = self._table if index is None else self._table[index]
+        k = len(logical[0])
+        host = torch.tensor([logical, positions], dtype=torch.int64)  # [2, R, k]
+        both = to_device(host, table.device)
+        slots = logical_to_slots(table, both[0], p.block_size).reshape(-1)
+        n = len(heads) * k
+        p.positions[:n] = both[1].reshape(-1)
+        ends = [row[-1] + 1 for row in logical]
+        seq_lens = to_device(torch.tensor(ends, dtype=torch.int64), table.device)
+        batch_rows = [self._batch_rows[j] for j in (range(len(self.heads)) if active is None
+                                                    else active)]
+        step_cad = p.tree_pass_metadata(self.cad, seq_lens, table, slots, k, batch_rows,
+                                        device_index(batch_rows, table.device),
+                                        min(max(ends), p.max_model_len))
+        if rows is None:
+            return p._forward_hidden(step_cad, tokens, draft_index, eager=True)
+        with tree_plan(TreePlan(rows)):
+            return p._forward_hidden(step_cad, tokens, draft_index, eager=True)
+
+    def leaf_pass(self, tokens: list[int]) -> torch.Tensor:
+        ids = to_device(torch.tensor(tokens, dtype=torch.int64), self._table.device)
+        device = self._table.device
+        return self._pass([[h.leaf_slot] for h in self.heads],
+                          [[h.root + h.leaf_depth] for h in self.heads], ids,
+                          [h.rows(j, j, torch.ones(1, 0, dtype=torch.bool, device=device), f)
+                           for j, (h, f) in enumerate(zip(self.heads, self._frames))], None, 0)
+
+    def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self._table.device
+        hidden = self._pass([[h.node_slot(0)] for h in self.heads],
+                            [[h.next_root] for h in self.heads], next_token_ids,
+                            [h.rows(j, j, torch.ones(1, 1, dtype=torch.bool, device=device), f)
+                             for j, (h, f) in enumerate(zip(self.heads, self._frames))], None, 0)
+        self._root_pos = to_device(torch.tensor([h.next_root for h in self.heads]),
+                                   self._table.device)
+        return hidden, self._root_pos
+
+    def chain_pass(self, index: int, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a head start drafts a tree")
+
+    def roots_without_pass(self) -> torch.Tensor:
+        raise NotImplementedError("a head start drafts its tree's first levels itself")
+
+    def level_pass(self, depth: int, width: int, tokens: torch.Tensor,
+                   active: list[int] | None) -> torch.Tensor:
+        level = TreeShape(width, depth).level(depth)
+        members = range(len(self.heads)) if active is None else active
+        nodes = list(range(level.start, level.stop))
+        return self._pass([[self.heads[j].node_slot(i) for i in nodes] for j in members],
+                          [[self.heads[j].next_root + depth] * width for j in members],
+                          tokens, None, None if active is None else list(active), depth)
+
+    def tree_rows(self, row: int, q_start: int, request: int, root, mask: torch.Tensor
+                  ) -> TreeRows:
+        return self.heads[request].rows(row, q_start, mask, self._frames[request])
+
+    def root_bounds(self, roots: torch.Tensor) -> list[int]:
+        return [h.next_root for h in self.heads]
+

@@ -52,6 +52,7 @@ class SubSpecRunner:
             options, share=tensor_parallel_decisions(vllm_config.parallel_config))
         self.drafter = SubSpecProposer(vllm_config, device, self, self.session, overlapping)
         self.rejection_sampler = SampleMatchVerifier(self, self.session, self.drafter)
+        self._verify_cad = None  # this step's drafter metadata, until its forward is queued
 
     # ---- 2. loading (the worker's `load_model`) ------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
@@ -85,10 +86,27 @@ class SubSpecRunner:
         return self.rejection_sampler.no_draft_metadata(num_draft_tokens,
                                                         cu_num_scheduled_tokens, build)
 
+    def _build_attention_metadata(self, *args, **kwargs):
+        """vLLM's metadata of this step's forward; its drafter's copy is also the one the
+        verify's head starts draft from (`execute_model`)."""
+        out = super()._build_attention_metadata(*args, **kwargs)
+        self._verify_cad = out[1]
+        return out
+
     def _model_forward(self, *args, **kwargs):
         """The target's forward: the verify's tree plan is active for exactly this pass."""
         with self.rejection_sampler.verify_forward():
             return super()._model_forward(*args, **kwargs)
+
+    def execute_model(self, *args, **kwargs):
+        """vLLM's step up to the target's logits; once those are queued, the verify's head
+        starts are drafted (`SubSpecProposer.draft_head_starts`: on CUDA beside the verify,
+        on their own stream; on CPU after it)."""
+        self._verify_cad = None
+        out = super().execute_model(*args, **kwargs)
+        cad, self._verify_cad = self._verify_cad, None
+        self.drafter.draft_head_starts(cad)
+        return out
 
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         """The session plans each step first: a plain plan drafts nothing, and vLLM's draft

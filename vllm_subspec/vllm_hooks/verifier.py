@@ -15,7 +15,7 @@ from vllm.utils.torch_utils import async_tensor_h2d
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-from vllm_subspec.step.paged_kv import PagedKv
+from vllm_subspec.step.paged_kv import PagedKv, copy_kv
 from vllm_subspec.step.session import StepSession, VerifyRequest
 from vllm_subspec.step.transfer import to_device
 
@@ -60,9 +60,15 @@ class SampleMatchVerifier:
             self.session.prepare_verify([], prompt_tokens=prompt)
             return
         runner, batch = self.runner, self.runner.input_batch
+        kv_end = np.zeros(batch.num_reqs, dtype=np.int64)
+        if self.session.options.head_start_levels:
+            # the positions with a KV slot (vLLM reserves lookahead slots past the verify)
+            table = batch.block_table[0]
+            kv_end = np.minimum(table.num_blocks_per_row[: batch.num_reqs] * table.block_size,
+                                runner.max_model_len)
         requests = [VerifyRequest(i, req_id, list(spec[req_id]),
                                   int(batch.num_computed_tokens_cpu[i]),
-                                  int(runner.query_start_loc.np[i]))
+                                  int(runner.query_start_loc.np[i]), int(kv_end[i]))
                     for i, req_id in enumerate(batch.req_ids[: batch.num_reqs])
                     if spec.get(req_id)]
         writes = self.session.prepare_verify(requests, prompt_tokens=prompt)
@@ -70,6 +76,19 @@ class SampleMatchVerifier:
             device = runner.positions.device
             both = to_device(torch.from_numpy(np.stack([writes.rows, writes.positions])), device)
             runner.positions.index_copy_(0, both[0], both[1].to(runner.positions.dtype))
+        copies = self.session.head_start_copies()
+        if len(copies.src):  # before the verify overwrites the branches' slots
+            copy_kv(copies.requests, copies.src, copies.dst, self._paged_kv())
+            self.drafter.head_stream.inputs_copied()
+
+    def _paged_kv(self) -> PagedKv:
+        """The step's KV: the runner's table holds KV-manager blocks of its own block size,
+        which a backend may split into smaller kernel blocks: slots are computed at the
+        table's."""
+        batch = self.runner.input_batch
+        table = batch.block_table[0]
+        return PagedKv(self.drafter.kv_caches(), table.get_device_tensor(batch.num_reqs),
+                       table.block_size)
 
     def verify_forward(self):
         """Around vLLM's `_model_forward`: the tree plan of this step's verify is active."""
@@ -82,15 +101,13 @@ class SampleMatchVerifier:
             self.session.sampled_plain()
             return self.runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
         batch = self.runner.input_batch
-        # the runner's table holds KV-manager blocks of its own block size, which a backend
-        # may split into smaller kernel blocks: slots are computed at the table's
-        table = batch.block_table[0]
-        kv = lambda: PagedKv(self.drafter.kv_caches(),  # noqa: E731 (only if a path moves)
-                             table.get_device_tensor(batch.num_reqs), table.block_size)
         # fp32 work in chunks of max_num_seqs rows: the size vLLM's sampler warm-up profiles
         walk = self.session.sample_and_walk(batch.req_ids[: len(num_draft)], num_draft, logits,
                                             sampling_metadata,
-                                            self.runner.sampler.topk_topp_sampler, kv,
+                                            self.runner.sampler.topk_topp_sampler,
+                                            self._paged_kv,
+                                            # before the walk reads the head starts' drafts
+                                            self.drafter.head_stream.join,
                                             self.runner.max_num_reqs,
                                             self.drafter.model.compute_logits)
         logprobs = None
