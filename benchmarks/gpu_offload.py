@@ -207,9 +207,9 @@ class ModelShape:
 # :5927): bf16 logits, their fp32 copy, top-k/top-p's sorted fp32 values and int64 indices,
 # fp32 probabilities; the tree step's warm-up (verify.draw_target_tokens on the same call): the
 # bf16 logits, fp32 copy, temperature-scaled fp32, then the sampler's sort; the draft's widest
-# pass (proposer._run_peak_temporaries): bf16 logits, the fp32 copy, its /T and log-softmax, a
-# tree level's fp32 candidates. test_gpu_offload_plan.py measures the live bytes of the real
-# functions on CPU against these.
+# pass (draft_startup.allocate_peak_temporaries): bf16 logits, the fp32 copy, its /T and
+# log-softmax, a tree level's fp32 candidates. test_gpu_offload_plan.py measures the live bytes
+# of the real functions on CPU against these.
 SAMPLER_BYTES_PER_LOGIT = 2 + 4 + 4 + 8 + 4
 # The CUDA-graph pool's allowance (vLLM captures the target's decode graphs, SubSpec its draft's
 # pieces; vLLM measures the pool at start, `GPUModelRunner.profile_cudagraph_memory`), and the
@@ -229,7 +229,7 @@ def profiling_peak_gb(shape: ModelShape, max_num_seqs: int, max_num_batched_toke
     sampler warm-up over max_num_seqs rows and, for SubSpec, the tree step's warm-up (2 rows
     per request), the draft's widest pass (max_num_seqs x tree_width rows) and a tree verify
     (the bf16 logits of every node of max_num_seqs trees, within max_num_batched_tokens, with
-    one chunk of max_num_seqs rows drawn: `proposer._run_peak_temporaries`)."""
+    one chunk of max_num_seqs rows drawn: `draft_startup.allocate_peak_temporaries`)."""
     t, v = max_num_batched_tokens, shape.vocab
     forward = 2 * t * (4 * shape.hidden + 3 * shape.intermediate)
     phases = [forward, max_num_seqs * v * SAMPLER_BYTES_PER_LOGIT]

@@ -117,7 +117,7 @@ def projected_speedup(tau: float, draft_passes: int, gpu: GpuSetting,
 
 
 class ProjectedCost:
-    """A cost the tuner is given instead of measuring (shape_tuner.LinearCost's interface):
+    """A cost the tuner is given instead of measuring (tuner.linear_cost.LinearCost's interface):
     `seconds` for any row count; observations are ignored."""
 
     known = True
@@ -143,7 +143,7 @@ def give_gpu_costs(worker, draft_pass_s: float, verify_s: float) -> None:
     draft pass, a verify; the rest of a step free) instead of the ones it measures. The two
     lm_heads cost the same there (their difference is part of the pass), so the first drafts
     until their paired acceptance decides."""
-    from vllm_subspec.step.shape_tuner import StepCosts
+    from vllm_subspec.step.tuner.costs import StepCosts
     from vllm_subspec.vllm_hooks.runner import subspec_of
 
     tuner = subspec_of(worker).session.tuner

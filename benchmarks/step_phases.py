@@ -33,7 +33,8 @@ PHASES = {  # vLLM's class -> methods timed (qualified names in the report)
 SUBSPEC_PHASES = {  # SubSpec's own parts of a plain step (SubSpec engines only)
     "vllm_subspec.vllm_hooks.runner:SubSpecRunner": ("propose_draft_token_ids",),
     "vllm_subspec.step.session:StepSession": ("plan_step",),
-    "vllm_subspec.step.shape_tuner:ShapeTuner": ("plan_step", "_choose"),
+    "vllm_subspec.step.tuner.tuner:ShapeTuner": ("plan_step",),
+    "vllm_subspec.step.tuner.policy:ShapePolicy": ("choose",),
     "vllm_subspec.vllm_hooks.proposer:SubSpecProposer": ("plain_step",),
     "vllm_subspec.vllm_hooks.verifier:SampleMatchVerifier": ("__call__", "prepare_verify"),
 }

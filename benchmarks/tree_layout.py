@@ -1,7 +1,8 @@
 """The CPU tree-attention scratch layout per forward (`tree_attention.cpu_scratch`: every
 request at once, in a number of torch operations that does not grow with the requests): ms and
 torch operators dispatched per call, and one attention layer over it (`_cpu_kernel_rows`), its
-rows checked bit-identical to each request's rows computed alone (`tree_attention_rows`).
+rows checked bit-identical to each request's rows computed alone
+(`subspec_testing.reference.tree_attention_rows`).
 (The loop over requests it replaced, ~20 operations a request, was measured against it at
 d039025: benchmarks/results/tree_layout.md of that commit, docs/results.md.)
 
@@ -80,8 +81,8 @@ def measure(layout, tables, requests, query, repeats: int) -> dict:
     request alone)."""
     import torch
 
-    from vllm_subspec.step.tree_attention import (_cpu_kernel_rows, cpu_scratch,
-                                                  tree_attention_rows)
+    from subspec_testing.reference import tree_attention_rows
+    from vllm_subspec.step.tree_attention import _cpu_kernel_rows, cpu_scratch
 
     heads, d = query.shape[1], query.shape[2]
     scale = d ** -0.5

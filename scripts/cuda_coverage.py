@@ -41,9 +41,10 @@ CUDA_ONLY = {
     # engine code with CUDA-only branches (prefetch overlap, warm-up, stream sync): the CPU
     # unit tests do not start an engine, so these show what runs only inside one
     "vllm_hooks/proposer.py": ["SubSpecProposer.load_model", "SubSpecProposer.propose",
-                               "VllmDraftPasses.synchronize", "VllmDraftPasses.copy_to_host",
                                "SubSpecProposer.draft_bucket",
                                "SubSpecProposer.initialize_cudagraph_keys"],
+    "vllm_hooks/draft_passes.py": ["VllmDraftPasses.synchronize", "VllmDraftPasses.copy_to_host"],
+    "vllm_hooks/draft_startup.py": ["warm_up_kernels"],
     "step/draft.py": ["HostCopy"],
 }
 
@@ -56,7 +57,10 @@ NOT_RUN_BECAUSE = {
     ("vllm_hooks/proposer.py", "SubSpecProposer.propose"):
         "engine code, as above; on CPU its `start_before_draft()` call (no prefetch offloader: "
         "vLLM's refuses to start on CPU) is skipped",
-    ("vllm_hooks/proposer.py", "VllmDraftPasses.copy_to_host"):
+    ("vllm_hooks/draft_startup.py", "warm_up_kernels"):
+        "called by `SubSpecProposer.load_model` on CUDA only (what it runs is covered above: "
+        "`SubstituteSet.warm_up`)",
+    ("vllm_hooks/draft_passes.py", "VllmDraftPasses.copy_to_host"):
         "engine code, as above; called only on a device (a CPU step reads the masses at once)",
     ("step/draft.py", "HostCopy"):
         "pinned memory and a CUDA event: needs a CUDA device (the meta-device test stands in "
@@ -64,7 +68,7 @@ NOT_RUN_BECAUSE = {
     ("vllm_hooks/runner.py", "SubSpecGPUWorker"):
         "vLLM's GPU worker builds it in `Worker.init_device` on a CUDA device; the unit test "
         "calls `_make_model_runner` with the runner class's construction stubbed out",
-    ("vllm_hooks/proposer.py", "VllmDraftPasses.synchronize"):
+    ("vllm_hooks/draft_passes.py", "VllmDraftPasses.synchronize"):
         "engine code, as above; on CPU the compute-stream `synchronize()` is skipped (no CUDA "
         "tensors)",
 }

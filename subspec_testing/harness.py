@@ -145,7 +145,8 @@ def predict_plain_faster(worker) -> dict:
     """Give the SubSpec session's shape tuner a cost model in which a draft pass costs a second
     and a verify a millisecond (`ShapeTuner.use_costs`), so it chooses plain decoding but for
     its probe steps; returns the session's `StepStats` as a dict (a collective_rpc target)."""
-    from vllm_subspec.step.shape_tuner import LinearCost, StepCosts
+    from vllm_subspec.step.tuner.costs import StepCosts
+    from vllm_subspec.step.tuner.linear_cost import LinearCost
 
     class Fixed(LinearCost):  # `seconds` whatever the rows; observations ignored
         known = True
@@ -179,7 +180,8 @@ def model_costs_decide(worker, on: bool) -> None:
     test of what drafting must keep exact really drafts whatever this machine's measured
     rates say.
     Off: its own costs and measured rates back. A collective_rpc target."""
-    from vllm_subspec.step.shape_tuner import LinearCost, StepCosts
+    from vllm_subspec.step.tuner.costs import StepCosts
+    from vllm_subspec.step.tuner.linear_cost import LinearCost
     from vllm_subspec.vllm_hooks.runner import subspec_of
 
     class Line(LinearCost):  # seconds = a + b * rows; observations ignored

@@ -23,8 +23,8 @@ import re
 import shutil
 import signal
 import socket
-import sys
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterable, Iterator

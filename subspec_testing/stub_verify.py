@@ -62,14 +62,12 @@ def verify_step(batch: int, vocab: int = 64):
         query_start_loc=SimpleNamespace(np=[7 * i for i in range(batch + 1)]),
         sampler=Sampler(), max_num_reqs=7 * max(batch, 8))  # one chunk holds every row
     impl = object.__new__(CPUAttentionBackendImpl)
-    drafter = SimpleNamespace(kv_caches=lambda: [(impl, kv, "vec16")],
-                              model=SimpleNamespace(compute_logits=None),
-                              head_stream=HeadStartStream(torch.device("cpu")))
     logits = torch.randn(7 * batch, vocab) * 0.01
     for i in range(batch):  # the root draws 6 (node 2), node 2 draws 8 (node 4), then 1
         logits[7 * i, 6] = logits[7 * i + 2, 8] = logits[7 * i + 4, 1] = 50.0
-    return SampleMatchVerifier(runner, session, drafter), {r: TOKENS[1:] for r in req_ids}, \
-        logits
+    verifier = SampleMatchVerifier(runner, session, lambda: [(impl, kv, "vec16")],
+                                   HeadStartStream(torch.device("cpu")), lm_head_logits=None)
+    return verifier, {r: TOKENS[1:] for r in req_ids}, logits
 
 
 def scheduler_output(drafts: dict, prompt_tokens: dict | None = None):

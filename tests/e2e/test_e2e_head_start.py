@@ -37,7 +37,7 @@ def plain(smollm2, prompts, plain_references):
 
 
 def _peak_temporaries(worker) -> dict:
-    """`SubSpecProposer._run_peak_temporaries` (what vLLM's profiling pass measures past the
+    """`SubSpecProposer.run_peak_temporaries` (what vLLM's profiling pass measures past the
     forwards) with and without head starts: peak live bytes of each."""
     import dataclasses
 
@@ -53,7 +53,7 @@ def _peak_temporaries(worker) -> dict:
         for name, levels in (("without", 0), ("with", options.head_start_levels)):
             drafter.options = dataclasses.replace(options, head_start_levels=levels)
             with torch.inference_mode(), LiveBytes() as live:
-                drafter._run_peak_temporaries(config.get_hidden_size(), config.dtype)
+                drafter.run_peak_temporaries(config.get_hidden_size(), config.dtype)
             peaks[name] = live.peak
     finally:
         drafter.options = options

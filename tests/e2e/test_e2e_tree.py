@@ -431,7 +431,7 @@ def test_requests_drop_out_of_later_draft_passes_losslessly(smollm2, prompts, pl
 
 
 def _drop_one_request_per_depth(worker) -> None:
-    from vllm_subspec.step.shape_tuner import StepPlan
+    from vllm_subspec.step.tuner.policy import StepPlan
     from vllm_subspec.step.tree import TreeShape
     from vllm_subspec.vllm_hooks.runner import subspec_of
 

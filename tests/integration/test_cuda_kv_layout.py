@@ -33,7 +33,11 @@ FP16_BRANCH_TOL = 3e-3
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda_kv") / "probes.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # the probe imports subspec_testing from the repository root (pytest's pythonpath does not
+    # reach a child process)
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(SUPPORT / "cuda_kv_layout_probe.py"),
                            str(out)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

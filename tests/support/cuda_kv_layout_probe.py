@@ -5,7 +5,8 @@ The per-layer caches are built by vLLM's own code (`get_kv_cache_config_from_gro
 vLLM's own Triton writer `triton_reshape_and_cache_flash` executed by the Triton interpreter, and
 split into key/value views as `FlashAttentionImpl.forward` does. Nothing here restates the layout.
 
-Usage: TRITON_INTERPRET=1 python cuda_kv_layout_probe.py OUT_JSON  (every KVCacheLayout)
+Usage: TRITON_INTERPRET=1 python cuda_kv_layout_probe.py OUT_JSON  (every KVCacheLayout), with
+the repository root on PYTHONPATH (it imports subspec_testing)
 """
 
 import importlib
@@ -41,11 +42,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # no
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from subspec_testing.reference import move_kv, tree_attention_rows  # noqa: E402
 from vllm_subspec.step import tree_attention, tree_attention_triton  # noqa: E402
 from vllm_subspec.step.tree import TreeBatch, TreeShape  # noqa: E402
-from vllm_subspec.step.paged_kv import layout_for, logical_to_slots, move_kv  # noqa: E402
-from vllm_subspec.step.tree_attention import (  # noqa: E402
-    TreePlan, TreeRows, tree_attention_rows, tree_plan)
+from vllm_subspec.step.paged_kv import layout_for, logical_to_slots  # noqa: E402
+from vllm_subspec.step.tree_attention import TreePlan, TreeRows, tree_plan  # noqa: E402
 
 BLOCK, KV_HEADS, HEADS, D, NUM_BLOCKS = 16, 2, 4, 64, 12
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]

@@ -10,6 +10,7 @@ import sys
 import torch
 
 from vllm_subspec.draft_model.model import DraftModel
+from vllm_subspec.vllm_hooks import draft_passes
 from vllm_subspec.vllm_hooks.proposer import SubSpecProposer
 
 AUDIT = {"checks": 0, "violations": 0}
@@ -27,8 +28,8 @@ def audit_positions(forward):
 
 
 def audit_metadata(method):
-    def wrapped(self, *args, **kwargs):
-        cad, last_verified = method(self, *args, **kwargs)
+    def wrapped(drafter, *args, **kwargs):
+        cad, last_verified = method(drafter, *args, **kwargs)
         _current["last_verified"] = last_verified.clone()
         return cad, last_verified
     return wrapped
@@ -36,8 +37,8 @@ def audit_metadata(method):
 
 def redraft_last_accepted(method):
     """The bug the rule forbids: re-run the last accepted token through the draft first."""
-    def wrapped(self, cad, num_rejected):
-        cad, last_verified = method(self, cad, num_rejected)
+    def wrapped(drafter, cad, num_rejected):
+        cad, last_verified = method(drafter, cad, num_rejected)
         cad.seq_lens -= 1
         return cad, last_verified - 1
     return wrapped
@@ -51,8 +52,8 @@ def main(model, prompts_path, out_path):
     with open(prompts_path) as f:
         prompts, max_tokens = json.load(f)
     DraftModel.forward = audit_positions(DraftModel.forward)
-    honest_meta = SubSpecProposer.bonus_token_metadata
-    SubSpecProposer.bonus_token_metadata = audit_metadata(honest_meta)
+    honest_meta = draft_passes.bonus_token_metadata
+    draft_passes.bonus_token_metadata = audit_metadata(honest_meta)
     llm = LLM(model=model, speculative_config={"method": "subspec", "num_speculative_tokens": 4,
               "substitute_layers": "all"}, enforce_eager=True, enable_prefix_caching=False,
               dtype="float32", **CPU_ENGINE_KWARGS)
@@ -72,7 +73,7 @@ def main(model, prompts_path, out_path):
 
             SubSpecProposer.propose = propose
             # the auditor keeps recording the true last verified position
-            SubSpecProposer.bonus_token_metadata = redraft_last_accepted(
+            draft_passes.bonus_token_metadata = redraft_last_accepted(
                 audit_metadata(honest_meta))
         AUDIT.update(checks=0, violations=0)
         outs = llm.generate(prompts, params, use_tqdm=False)

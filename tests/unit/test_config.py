@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from vllm_subspec import architectures
 from vllm_subspec import config as config_module
 from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
 
@@ -119,7 +120,7 @@ def _hf(arch, **extra):
     return SimpleNamespace(architectures=[arch], **extra)
 
 
-@pytest.mark.parametrize("arch", sorted(config_module.SUPPORTED_MOE_ARCHITECTURES))
+@pytest.mark.parametrize("arch", sorted(architectures.MOE_ARCHITECTURES))
 def test_moe_targets_accepted_on_cpu_and_cuda_with_4bit_substitutes(arch, monkeypatch):
     for cpu in (True, False):
         monkeypatch.setattr(config_module, "_platform_is_cpu", lambda cpu=cpu: cpu)

@@ -1,7 +1,7 @@
 """Which draft forwards CUDA would capture and replay, and how many rows they pad to: the
-proposer's pure rules (`draft_cudagraph_mode`, `replay_or_eager`, `row_buckets`) over vLLM's
-own `CudagraphDispatcher`, for the modes a CUDA runner hands the drafter. The forwards
-themselves run padded on a CPU engine in tests/e2e/test_e2e_tree.py."""
+draft's pure rules (draft_graphs.py's `draft_cudagraph_mode`, `replay_or_eager`; `row_buckets`)
+over vLLM's own `CudagraphDispatcher`, for the modes a CUDA runner hands the drafter. The
+forwards themselves run padded on a CPU engine in tests/e2e/test_e2e_tree.py."""
 
 from types import SimpleNamespace
 
@@ -11,7 +11,7 @@ from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_subspec.draft_model import row_buckets
-from vllm_subspec.vllm_hooks.proposer import draft_cudagraph_mode, replay_or_eager
+from vllm_subspec.vllm_hooks.draft_graphs import draft_cudagraph_mode, replay_or_eager
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
 

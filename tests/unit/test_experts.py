@@ -11,9 +11,10 @@ import torch
 import transformers
 from torch import nn
 
+from subspec_testing.reference import substitute_experts_from_quantized
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.draft_model import int4_dot_cpu
-from vllm_subspec.draft_model.experts import SubstituteExperts, expert_weights, moe_runner
+from vllm_subspec.draft_model.experts import expert_weights, moe_runner
 from vllm_subspec.draft_model.model import layer_linear_names, substitute_layer
 from vllm_subspec.draft_model.quantize import quantize
 from vllm_subspec.draft_model.substitute_set import build_substitutes
@@ -137,7 +138,7 @@ def test_draft_block_is_the_target_block_with_4bit_experts(vllm_context, arch, k
     block = _block(arch)
     runner = moe_runner(_layer(arch, block))[2]
     q13, q2 = _quantized_experts(runner)
-    experts = SubstituteExperts.from_quantized(runner, q13, q2, torch.bfloat16, CPU, kernel)
+    experts = substitute_experts_from_quantized(runner, q13, q2, torch.bfloat16, CPU, kernel)
     assert experts.kernel_name == kernel
     if getattr(block, "shared_expert", None) is not None:
         experts.__dict__["shared_expert"] = block.shared_expert  # the target's, to compare
@@ -160,8 +161,8 @@ def test_only_routed_experts_run_each_on_its_rows(vllm_context, monkeypatch):
 
     block = _block("mixtral", seed=2)
     runner = moe_runner(_layer("mixtral", block))[2]
-    experts = SubstituteExperts.from_quantized(runner, *_quantized_experts(runner),
-                                               torch.bfloat16, CPU, "reference")
+    experts = substitute_experts_from_quantized(runner, *_quantized_experts(runner),
+                                                torch.bfloat16, CPU, "reference")
     # route every row to experts 1 and 3 (the gate's other rows far below)
     with torch.no_grad():
         block.gate.weight.zero_()
@@ -246,8 +247,8 @@ def test_fp16_and_empty_batches(vllm_context, kernel):
     block = _block("mixtral", seed=5)
     runner = moe_runner(_layer("mixtral", block))[2]
     q13, q2 = _quantized_experts(runner)
-    fp16 = SubstituteExperts.from_quantized(runner, q13, q2, torch.float16, CPU, kernel)
-    ref = SubstituteExperts.from_quantized(runner, q13, q2, torch.float16, CPU, "reference")
+    fp16 = substitute_experts_from_quantized(runner, q13, q2, torch.float16, CPU, kernel)
+    ref = substitute_experts_from_quantized(runner, q13, q2, torch.float16, CPU, "reference")
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(6)).to(torch.float16)
     logits = torch.randn(5, E, generator=torch.Generator().manual_seed(7)).to(torch.float16)
     got = fp16(x, logits)

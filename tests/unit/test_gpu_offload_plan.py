@@ -169,7 +169,7 @@ def test_subspec_budget_holds_the_quantized_lm_head():
 
 def test_draft_temporaries_fit_the_plans_bytes_per_logit():
     """The draft's widest pass past its logits (`tree.widest_level`, which
-    `SubSpecProposer._run_peak_temporaries` runs), measured on CPU: the plan's
+    `draft_startup.allocate_peak_temporaries` runs), measured on CPU: the plan's
     DRAFT_BYTES_PER_LOGIT covers it, and is not wildly loose."""
     from vllm_subspec.step.tree import widest_level
 

@@ -31,7 +31,8 @@ def runners():
     state object with the same buffers, for vLLM's own result."""
     subspec = object.__new__(SubSpecGPUModelRunner)
     runner_state(subspec)
-    subspec.rejection_sampler = SampleMatchVerifier(subspec, session=None, drafter=None)
+    subspec.rejection_sampler = SampleMatchVerifier(subspec, session=None, kv_caches=None,
+                                                  head_stream=None, lm_head_logits=None)
     reference = SimpleNamespace()
     runner_state(reference)
     reference.input_ids = subspec.input_ids

@@ -19,7 +19,8 @@ from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_subspec.step.node_constraints import chain_only_reason, constrain, refusal
+from vllm_subspec.refusals import request_refusal as refusal
+from vllm_subspec.step.node_constraints import chain_only_reason, constrain
 from vllm_subspec.step.tree import StoredTree
 from vllm_subspec.step.verify import VerifiedTree, sample_then_match
 

@@ -8,6 +8,20 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm_subspec.vllm_hooks import patches
 
 
+@pytest.fixture
+def unpatched(monkeypatch):
+    """This test starts in a process where no SubSpec patch is applied (every wrapped vLLM
+    function is vLLM's own again) and ends with the process as it was: the tests below see
+    the same state whatever ran before them in this worker."""
+    for owner, attr in list(patches._APPLIED.values()):
+        monkeypatch.setattr(owner, attr, getattr(owner, attr).__subspec_original__)
+    monkeypatch.setattr(patches, "_APPLIED", {})
+    assert not hasattr(EngineArgs.create_speculative_config, "__subspec_original__")
+    yield
+    for owner, attr in patches._APPLIED.values():  # what the test applied (then monkeypatch
+        setattr(owner, attr, getattr(owner, attr).__subspec_original__)  # restores the rest)
+
+
 def test_entry_point_is_registered():
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert eps.get("subspec") == "vllm_subspec.plugin:register"
@@ -15,14 +29,15 @@ def test_entry_point_is_registered():
     assert loggers.get("subspec_metrics") == "vllm_subspec.vllm_hooks.metrics:SubSpecStatLogger"
 
 
-def test_vllm_loads_the_plugin():
-    from vllm.plugins import load_general_plugins
+def test_vllm_loads_the_plugin(unpatched, monkeypatch):
+    import vllm.plugins
 
-    load_general_plugins()
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)  # (once per process in vLLM)
+    vllm.plugins.load_general_plugins()
     assert hasattr(EngineArgs.create_speculative_config, "__subspec_original__")
 
 
-def test_apply_is_idempotent():
+def test_apply_is_idempotent(unpatched):
     assert patches.apply_all()
     wrapped = EngineArgs.create_speculative_config
     assert patches.apply_all()
@@ -39,16 +54,17 @@ def test_version_gate(version, ok):
     assert patches.vllm_version_supported(version) is ok
 
 
-def test_an_untested_vllm_disables_subspec_unless_allowed(monkeypatch, vllm_caplog):
+def test_an_untested_vllm_disables_subspec_unless_allowed(unpatched, monkeypatch, vllm_caplog):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     monkeypatch.delenv(patches.ALLOW_UNTESTED_VLLM_ENV, raising=False)
     assert patches.apply_all() is False
+    assert not hasattr(EngineArgs.create_speculative_config, "__subspec_original__")
     assert "found 0.99.0. SubSpec is disabled (set VLLM_SUBSPEC_ALLOW_UNTESTED_VLLM=1" \
         in vllm_caplog.text
     monkeypatch.setenv(patches.ALLOW_UNTESTED_VLLM_ENV, "1")
-    assert patches.apply_all() is True  # warned, then applied (idempotently here)
+    assert patches.apply_all() is True  # warned, then applied
     assert "vLLM 0.99.0 is untested" in vllm_caplog.text
     assert hasattr(EngineArgs.create_speculative_config, "__subspec_original__")
 

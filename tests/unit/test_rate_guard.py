@@ -1,8 +1,8 @@
-"""The measured rates the shape tuner answers to (step/rate_guard.py), on synthetic steps."""
+"""The measured rates the shape tuner answers to (step/tuner/rate_guard.py), on synthetic steps."""
 
 import pytest
 
-from vllm_subspec.step.rate_guard import (
+from vllm_subspec.step.tuner.rate_guard import (
     ALLOWANCE_CAP_STEPS,
     EXPLORE_BUDGET,
     FAR_AHEAD,

@@ -1,4 +1,4 @@
-"""The auto tree shape and adaptive depth (shape_tuner.py), on synthetic costs and acceptance.
+"""The auto tree shape and adaptive depth (step/tuner/), on synthetic costs and acceptance.
 
 A simulated "world" gives each draft pass and verify a cost and each tree depth a true chance
 of being accepted (the draft's beliefs are noisy copies of it); the tuner sees only what the
@@ -11,17 +11,14 @@ import random
 import pytest
 import torch
 
-from vllm_subspec.step.linear_cost import LinearCost, RowsCurve
-from vllm_subspec.step.lm_head_choice import COMPARE_EVERY, COMPARE_UNTIL, LmHeadComparison
-from vllm_subspec.step.rate_guard import EXPLORE_BUDGET
-from vllm_subspec.step.shape_tuner import (
-    EXPLORE_COST,
-    EXPLORE_STEPS,
-    MassCalibration,
-    ShapeTuner,
-    StepCosts,
-    WidthAcceptance,
-)
+from vllm_subspec.step.tuner.linear_cost import LinearCost, RowsCurve
+from vllm_subspec.step.tuner.lm_head_choice import COMPARE_EVERY, COMPARE_UNTIL, LmHeadComparison
+from vllm_subspec.step.tuner.rate_guard import EXPLORE_BUDGET
+from vllm_subspec.step.tuner.acceptance import MassCalibration, WidthAcceptance
+from vllm_subspec.step.tuner.costs import StepCosts
+from vllm_subspec.step.tuner.exploration import EXPLORE_COST
+from vllm_subspec.step.tuner.policy import EXPLORE_STEPS
+from vllm_subspec.step.tuner.tuner import ShapeTuner
 
 # plain steps a fresh auto tuner runs before its first look (the engine's: no verify timed
 # yet, at any batch size): its exploration
@@ -263,14 +260,14 @@ def test_a_choice_before_any_cost_is_measured_logs_no_predicted_rate(vllm_caplog
 
     vllm_caplog.set_level(logging.INFO, logger="vllm")
     tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
-    tuner._choose(32)
+    tuner.policy.choose(32)
     assert "costs not measured yet" in vllm_caplog.text
     assert "predicted" not in vllm_caplog.text
     vllm_caplog.clear()
     world = World({1: 0.80, 2: 0.86, 4: 0.90, 6: 0.92}, seed=1)
     run(world, tuner, 300, 1)
-    tuner.width, tuner.depth = 6, 32  # (so the next choice changes the shape, and logs)
-    tuner._choose(1)
+    tuner.policy.width, tuner.policy.depth = 6, 32  # (so the next choice changes the shape, and logs)
+    tuner.policy.choose(1)
     assert "predicted" in vllm_caplog.text and "not measured" not in vllm_caplog.text
 
 
@@ -354,9 +351,9 @@ def test_predicted_rates_at_every_depth_at_once_equal_each_depths_prediction():
         for w in (1, 2, 4, 6):
             reach = tuner.acceptance[w].reach().tolist()
             for head in (None, "target", "substitute"):
-                one_by_one = [tuner.predicted_rate(w, d, batch_size, reach, head)
+                one_by_one = [tuner.model.predicted_rate(w, d, batch_size, reach, head)
                               for d in range(1, 33)]
-                at_once = tuner.predicted_rates(w, range(1, 33), batch_size, reach, head)
+                at_once = tuner.model.predicted_rates(w, range(1, 33), batch_size, reach, head)
                 assert at_once == pytest.approx(one_by_one, rel=1e-9)
 
 
@@ -367,8 +364,9 @@ def test_a_fixed_width_not_drafting_does_not_rechoose_every_step():
     world = World({6: 0.5}, pass_cost=(0.06, 0.004), verify_cost=(0.08, 0.004), seed=2)
     tuner = ShapeTuner((6,), 32, auto_width=False, auto_depth=True)
     chosen = []
-    choose = tuner._choose
-    tuner._choose = lambda batch_size: (chosen.append(tuner.steps), choose(batch_size))
+    choose = tuner.policy.choose
+    tuner.policy.choose = lambda batch_size: (chosen.append(tuner.policy.steps),
+                                              choose(batch_size))
     steps = []
     while tuner.acceptance[6].steps < EXPLORE_STEPS - 1:  # still unexplored: the rule's case
         steps.append(world.step(tuner, 1))
@@ -444,7 +442,7 @@ class WholeBatch(ShapeTuner):
     def drafting_next(self, log_mass, width, reached):
         b, d = log_mass.shape[0], log_mass.shape[1] - 1
         p = self.calibration.predict(log_mass.exp())
-        tokens, seconds = self._step_so_far(p, width, reached)
+        tokens, seconds = self.adaptive_depth._step_so_far(p, width, reached)
         cost = self.draft_pass[width](b * width) + self.verify[width].per_row() * b * width
         return list(range(b)) if float(p[:, d].sum()) * seconds > tokens * cost else []
 
@@ -497,14 +495,14 @@ def test_verify_cost_is_per_width_and_plain_is_timed_as_a_chain():
     masked attention. Neither's cost is charged to the other, and a plain step is predicted
     from the chain's."""
     tuner = ShapeTuner((1, 6), 8, auto_width=True, auto_depth=True)
-    assert tuner.plain_rate(1) == 0.0  # nothing measured: never predicted faster
+    assert tuner.model.plain_rate(1) == 0.0  # nothing measured: never predicted faster
     for rows in (2, 4, 6):
         tuner.observe_verify(1, rows, 0.1 + 0.001 * rows)
     for rows in (13, 25, 49):
         tuner.observe_verify(6, rows, 0.1 + 0.01 * rows)
     assert tuner.verify[1].per_row() == pytest.approx(0.001)
     assert tuner.verify[6].per_row() == pytest.approx(0.01)
-    assert tuner.plain_rate(1) == pytest.approx(1 / 0.101, rel=1e-3)  # other: not yet measured
+    assert tuner.model.plain_rate(1) == pytest.approx(1 / 0.101, rel=1e-3)  # other: not yet measured
 
 
 # The draft's two lm_heads (`draft_lm_head: "auto"`). A head's factor scales every depth's
@@ -659,8 +657,8 @@ def test_the_model_alone_would_have_drafted_where_plain_wins():
         < world.plain_rate(1)
     tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
     steps = [world.step(tuner, 1) for _ in range(600)]
-    best, rate = tuner._best_shape(1, tuner.widths, range(1, 33), tuner.lm_head)
-    assert rate > tuner.plain_rate(1)  # the model's view
+    best, rate = tuner.choice.best_shape(1, tuner.widths, range(1, 33), tuner.lm_head)
+    assert rate > tuner.model.plain_rate(1)  # the model's view
     # the measurements': drafting's measured losses spent the allowance, so it hardly drafts
     assert tuner.guard.lost[1] > 0
     assert sum(1 for _, _, passes in steps[300:] if passes) <= 10
@@ -740,7 +738,7 @@ class RooflineWorld(World):
 
 
 def test_the_explore_depth_bisection_finds_what_a_depth_by_depth_descent_finds():
-    """`_explore_depth` bisects for the deepest depth whose step fits EXPLORE_COST plain
+    """`Exploration.depth` bisects for the deepest depth whose step fits EXPLORE_COST plain
     steps (it runs at every plain step while exploration waits): the depth a descent from the
     deepest, depth by depth, stops at, on costs fitted from random timings (plain steps'
     forwards, the roofline floor, included)."""
@@ -754,7 +752,7 @@ def test_the_explore_depth_bisection_finds_what_a_depth_by_depth_descent_finds()
         for w in rng.sample([1, 2, 4, 6], rng.randint(1, 4)):
             for _ in range(rng.randint(1, 4)):
                 tuner.verify[w].add(rng.choice([1, 5, 20, 100]), rng.random() * 0.05)
-            tuner._verify_rows[w] = rng.choice([5.0, 20.0, 100.0])
+            tuner.model.verify_rows[w] = rng.choice([5.0, 20.0, 100.0])
         tuner.other.add(0, rng.random() * 0.001)
         for _ in range(3):
             for rows in rng.sample([1, 2, 8, 32, 64], rng.randint(1, 3)):
@@ -765,9 +763,9 @@ def test_the_explore_depth_bisection_finds_what_a_depth_by_depth_descent_finds()
                 if tuner.guard.rate(False, batch_size) else None
             for width in (1, 2, 4, 6):
                 for depth in (1, 2, 7, 32):
-                    got = tuner._explore_depth(width, depth, batch_size)
+                    got = tuner.exploration.depth(width, depth, batch_size)
                     like, rows = (width if width in known else max(known)), batch_size * width
-                    seconds = [tuner._step_seconds_like(like, batch_size, d - 1,
+                    seconds = [tuner.model.step_seconds_like(like, batch_size, d - 1,
                                                         (d - 1) * rows, d * rows)
                                for d in range(depth + 1)]
                     if budget is None or seconds[1] > budget:

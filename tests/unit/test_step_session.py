@@ -16,12 +16,14 @@ from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.step.draft import draft_tree
-from vllm_subspec.step.linear_cost import LinearCost
-from vllm_subspec.step.lm_head_choice import COMPARED_REQUESTS, LmHeadComparison
+from vllm_subspec.step.tuner.linear_cost import LinearCost
+from vllm_subspec.step.tuner.lm_head_choice import COMPARED_REQUESTS, LmHeadComparison
 from vllm_subspec.step.paged_kv import CpuVecLayout, PagedKv, logical_to_slots
 from vllm_subspec.step.session import StepSession, VerifyRequest
-from vllm_subspec.step.rate_guard import EXPLORE_BUDGET
-from vllm_subspec.step.shape_tuner import EXPLORE_COST, ShapeTuner, StepCosts
+from vllm_subspec.step.tuner.rate_guard import EXPLORE_BUDGET
+from vllm_subspec.step.tuner.costs import StepCosts
+from vllm_subspec.step.tuner.exploration import EXPLORE_COST
+from vllm_subspec.step.tuner.tuner import ShapeTuner
 from vllm_subspec.step.tree import TreeShape
 from vllm_subspec.step.tree_attention import TreeRows, active_tree_plan
 
@@ -516,35 +518,35 @@ def test_each_step_reaches_the_tuner_with_its_tokens_and_wall_time():
     session = StepSession(options, tuner, clock=clock)
     first = run_step(session, [5, 20], [3, 8], options.num_draft_tokens)
     assert seen == [] and any(first.drafts)  # no step before the first
-    start = session._step[0]
+    start = session.timer.step[0]
     tokens = sum(len(emitted(first.walk, i)) for i in range(2))
     clock.now += 0.5  # the rest of the step
     run_step(session, [5 + tokens, 20], [3, 8], options.num_draft_tokens)
     (drafted, batch, got, seconds, _), = seen
     assert drafted and batch == 2 and got == tokens
-    assert seconds == pytest.approx(session._step[0] - start - 0.0, abs=0.011)
+    assert seconds == pytest.approx(session.timer.step[0] - start - 0.0, abs=0.011)
     # a plain step (nothing drafted) counts one token a request
     both = frozenset(["r0", "r1"])
-    session._step, session._step_tokens = (clock.now, False, both), None
+    session.timer.step, session.timer.step_tokens = (clock.now, False, both), None
     clock.now += 0.2
     session.prepare_verify([], prompt_tokens=False)
     session._close_step(clock(), ["r0", "r1"])
     assert seen[-1][:3] == (False, 2, 2) and seen[-1][3] == pytest.approx(0.21)
     assert seen[-1][4] is True
-    session._step = (clock.now, False, both)
+    session.timer.step = (clock.now, False, both)
     session.prepare_verify([], prompt_tokens=True)  # a prompt chunk ran in it
     session._close_step(clock(), ["r0", "r1"])
     assert seen[-1][4] is False
     del seen[-1]
     # a request finished: still counted; one joined (its prefill ran in the step): not
-    session._step = (clock.now, False, both)
+    session.timer.step = (clock.now, False, both)
     session._close_step(clock(), ["r1"])
     assert len(seen) == 3
-    session._step = (clock.now, False, both)
+    session.timer.step = (clock.now, False, both)
     session._close_step(clock(), ["r0", "r1", "r2"])
     assert len(seen) == 3
     # after an idle engine nothing is observed
-    session._step = (clock.now, False, both)
+    session.timer.step = (clock.now, False, both)
     clock.now += 60.0
     session._close_step(clock(), ["r0", "r1"])
     assert len(seen) == 3
@@ -609,7 +611,7 @@ def test_each_step_is_planned_once_and_a_plain_plan_is_the_whole_proposal():
 def test_tensor_parallel_ranks_take_the_shared_decision():
     """`share` (tensor parallelism: rank 0's decision, broadcast) decides the step: the plan
     the session follows is the one `share` returns, not its own tuner's."""
-    from vllm_subspec.step.shape_tuner import StepPlan
+    from vllm_subspec.step.tuner.policy import StepPlan
     from vllm_subspec.step.tree import TreeShape
 
     seen = []

@@ -5,15 +5,15 @@ import math
 import pytest
 import torch
 
+from subspec_testing.reference import accepted_path, move_kv, node_paths, tree_attention_rows
 from vllm_subspec.step.tree import (
     StoredTree,
     TreeBatch,
     TreeShape,
-    accepted_path,
     sharpened_log_probs,
 )
-from vllm_subspec.step.paged_kv import CpuVecLayout, check_cpu_layout, move_kv
-from vllm_subspec.step.tree_attention import TreeRows, tree_attention_rows
+from vllm_subspec.step.paged_kv import CpuVecLayout, check_cpu_layout
+from vllm_subspec.step.tree_attention import TreeRows
 
 
 def test_shape_levels_and_depths():
@@ -127,11 +127,11 @@ def test_sample_then_match_walk(target, path):
 
 def test_node_paths_follow_parents_from_the_root():
     tree = StoredTree(TOKENS, PARENTS, torch.ones(len(TOKENS), len(TOKENS), dtype=torch.bool))
-    paths = tree.node_paths(len(TOKENS))
+    paths = node_paths(tree, len(TOKENS))
     assert paths[0] == []
     assert paths[4] == [TOKENS[1], TOKENS[4]]
     assert paths[2] == [TOKENS[2]]
-    assert StoredTree([9, 5, 7], [-1, 0, -1], torch.eye(3, dtype=torch.bool)).node_paths(3) \
+    assert node_paths(StoredTree([9, 5, 7], [-1, 0, -1], torch.eye(3, dtype=torch.bool)), 3) \
         == [[], [5], []]  # a dead node has no path
 
 
@@ -283,7 +283,7 @@ def test_kv_compaction_reads_a_manager_table_over_kernel_blocks():
 
 
 def test_a_subset_pass_slices_every_per_request_field_vllm_slices():
-    """A draft pass over the requests still drafting (proposer.tree_pass_metadata) must slice
+    """A draft pass over the requests still drafting (draft_passes.tree_pass_metadata) must slice
     every per-request field of vLLM's CommonAttentionMetadata; vLLM's own `unpadded` names
     them (it slices each to num_actual_reqs). The fields the pass sets itself are excluded."""
     import inspect
@@ -291,7 +291,7 @@ def test_a_subset_pass_slices_every_per_request_field_vllm_slices():
 
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_subspec.vllm_hooks.proposer import PER_REQUEST_FIELDS
+    from vllm_subspec.vllm_hooks.draft_passes import PER_REQUEST_FIELDS
 
     source = inspect.getsource(CommonAttentionMetadata.unpadded)
     sliced = set(re.findall(r"maybe_slice_reqs\(self\.(\w+)\)", source))

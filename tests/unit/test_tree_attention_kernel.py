@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from subspec_testing.reference import tree_attention_rows
 from vllm_subspec.step.tree import TreeBatch, TreeShape
 from vllm_subspec.step.paged_kv import CpuVecLayout, cpu_layout, logical_to_slots
 from vllm_subspec.step.tree_attention import (
@@ -21,7 +22,6 @@ from vllm_subspec.step.tree_attention import (
     _torch_rows,
     apply_tree_attention,
     cpu_scratch,
-    tree_attention_rows,
     tree_plan,
 )
 

@@ -67,11 +67,12 @@ def session() -> StepSession:
     return StepSession(SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 2}))
 
 
-def drafter(kv_caches) -> SimpleNamespace:
-    """What the verifier reads of the drafter: its KV caches and its lm_heads."""
-    return SimpleNamespace(kv_caches=kv_caches, model=SimpleNamespace(
-        compute_logits=lambda hidden, head: pytest.fail("no lm_head comparison expected")),
-        head_stream=HeadStartStream(torch.device("cpu")))
+def verifier(runner, kv_caches) -> SampleMatchVerifier:
+    """The verifier with what the runner hands it: the KV caches, the head-start stream and
+    the draft's lm_head logits."""
+    return SampleMatchVerifier(
+        runner, session(), kv_caches, HeadStartStream(torch.device("cpu")),
+        lambda hidden, head: pytest.fail("no lm_head comparison expected"))
 
 
 def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None,
@@ -88,7 +89,7 @@ def step_with(trees: dict[str, VerifiedTree], kv=None, block_table=None,
 
         impl = object.__new__(CPUAttentionBackendImpl)  # the real class picks the reader
         kv_caches = lambda: [(impl, kv, "vec")]  # noqa: E731
-    step = SampleMatchVerifier(runner, session(), drafter(kv_caches))
+    step = verifier(runner, kv_caches)
     step.session.verifying = dict(trees)
     return step
 
@@ -343,7 +344,7 @@ def test_chains_and_rejected_trees_move_nothing(cache):
     kv, block_table, keys, _ = cache
     step = step_with({"a": VerifiedTree(chain_tree([5, 7, 8, 1]), 13, 0, compact=False)},
                      kv, block_table)
-    step.drafter.kv_caches = lambda: pytest.fail("no KV move expected")  # noqa: E731
+    step.kv_caches = lambda: pytest.fail("no KV move expected")  # noqa: E731
     out = verify(step, [4], logits_for([5, 7, 8, 3, 3]), sampling(1)).sampled_token_ids
     assert out[0, :4].tolist() == [5, 7, 8, 3]  # a chain walk: accepted 3, bonus 3
 
@@ -363,8 +364,7 @@ def runner_for_prepare(num_computed, drafts_per_req):
 
 
 def verifier_for_prepare(runner) -> SampleMatchVerifier:
-    return SampleMatchVerifier(runner, session(),
-                               drafter(lambda: pytest.fail("no KV move expected")))
+    return verifier(runner, lambda: pytest.fail("no KV move expected"))
 
 
 def test_prepare_verify_tells_the_session_whether_the_step_runs_prompt_tokens():

@@ -190,17 +190,6 @@ class SubstituteExperts(nn.Module):
         # runner's `MoERunner._maybe_reduce_final_output` does
         self.all_reduce = _reduces_final_output(runner)
 
-    @classmethod
-    def from_quantized(cls, runner: nn.Module, w13: list[QuantizedWeight],
-                       w2: list[QuantizedWeight], dtype: torch.dtype, device: torch.device,
-                       kernel: str = "auto", source_name: str = "") -> SubstituteExperts:
-        """From every expert's quantized weights at once (tests; the engine packs each expert
-        as it is quantized: substitute_set.build_substitutes)."""
-        chosen = expert_kernel(w13[0], w2[0], device, kernel)
-        return cls(runner, [expert_tensors(chosen, q, dtype) for q in w13],
-                   [expert_tensors(chosen, q, dtype) for q in w2], chosen, w13[0].group_size,
-                   w13[0].bits, source_name)
-
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor
                 ) -> torch.Tensor:
         if self.gate is not None:  # the block passed its hidden states as router_logits

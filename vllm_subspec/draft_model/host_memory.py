@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_subspec.config import SubSpecConfigError
+from vllm_subspec import refusals
 from vllm_subspec.draft_model.kernels import Int4CpuKernel
 
 GiB = 2**30
@@ -56,10 +56,6 @@ class HostMemoryPlan:
                 f" of the target's {self.target_bytes / GiB:.2f} GiB of weights")
 
 
-FIXES = ("raise gpu_memory_utilization, lower max_model_len, substitute fewer layers "
-         "(substitute_layers), or draft with the target's lm_head (draft_lm_head: \"target\")")
-
-
 def plan_host_memory(shapes: list[tuple[int, int]], fraction: float, bits: int,
                      group_size: int, target_bytes: int, kv_room: int | None,
                      kv_needed: int) -> HostMemoryPlan:
@@ -67,13 +63,7 @@ def plan_host_memory(shapes: list[tuple[int, int]], fraction: float, bits: int,
     the KV cache if the draft adds nothing (None: unknown, e.g. an explicit KV size);
     kv_needed: the least KV cache an engine can start with (one max_model_len request)."""
     subs = sum(substitute_bytes(n, k, bits, group_size) for n, k in shapes)
-    if kv_room is not None and kv_room - subs < kv_needed:
-        raise SubSpecConfigError(
-            f"not enough memory for the draft and the KV cache on the CPU backend: the RAM "
-            f"share (gpu_memory_utilization) leaves about {kv_room / GiB:.2f} GiB for the KV "
-            f"cache after the target's weights; the draft's {bits}-bit substitutes need "
-            f"{subs / GiB:.2f} GiB of it, and one {kv_needed / GiB:.3f} GiB max_model_len "
-            f"request must fit in what remains. Nothing was built. To fix: {FIXES}")
+    refusals.refuse_cpu_draft_memory(kv_room, subs, kv_needed, bits)
     budget = int(fraction * target_bytes) - subs
     if kv_room is not None:
         budget = min(budget, kv_room - subs - kv_needed)
@@ -94,13 +84,7 @@ def fit_kv_cache(substitutes, kv_room: Callable[[], tuple[int | None, int]]) -> 
     if freed:
         return_freed_memory()
         room, need = kv_room()
-    if room < need:
-        raise SubSpecConfigError(
-            f"not enough memory for the KV cache on the CPU backend: after the target "
-            f"({substitutes.target_bytes / GiB:.2f} GiB of weights, which vLLM repacks) and the "
-            f"draft ({substitutes.nbytes() / GiB:.2f} GiB), the RAM share "
-            f"(gpu_memory_utilization) leaves {room / GiB:.2f} GiB, and one max_model_len "
-            f"request needs {need / GiB:.3f} GiB. To fix: {FIXES}")
+    refusals.refuse_cpu_kv_memory(room, need, substitutes.target_bytes, substitutes.nbytes())
 
 
 def vllm_cpu_weight_growth(model: torch.nn.Module) -> int:

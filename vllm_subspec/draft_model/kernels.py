@@ -15,8 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from vllm_subspec.draft_model import int4_dot_cpu
-from vllm_subspec.draft_model import dense_twin
+from vllm_subspec.draft_model import dense_twin, int4_dot_cpu
 from vllm_subspec.draft_model.gemlite_tuning import gemlite_warm_up_key
 from vllm_subspec.draft_model.quantize import QuantizedWeight
 
@@ -88,7 +87,8 @@ class Int4CpuKernel:
         self.act_dtype = self.activation_dtype(dtype)
         self.packed, self.scales_and_zeros = self.pack(qw, self.act_dtype)
         self.dense_from_rows = dense_twin.dense_crossover(
-            type(self), n, k, qw.group_size, self.act_dtype, max_rows) if max_rows > 0 else None
+            type(self), n, k, qw.group_size, self.act_dtype,  # type: ignore[arg-type]
+            max_rows) if max_rows > 0 else None  # (a class is hashable: mypy's lru_cache stub)
         self.dense = qw.dequantize(self.act_dtype) if self.dense_from_rows is not None else None
 
     @classmethod
@@ -147,7 +147,7 @@ class Int4DotCpuKernel(Int4CpuKernel):
     Why it is faster: docs/substitutes.md, "The AVX512-BF16 int4 kernel"."""
 
     name = "int4_cpu_dot"
-    linear = staticmethod(int4_dot_cpu_linear)
+    linear = staticmethod(int4_dot_cpu_linear)  # type: ignore[assignment]  # (arg names)
     op = "int4_dot_cpu_linear"
     compute_dtype = torch.bfloat16
 

@@ -14,6 +14,7 @@ import copy
 import torch
 from torch import nn
 
+from vllm_subspec import architectures
 from vllm_subspec.draft_model.experts import SubstituteExperts, moe_runner
 from vllm_subspec.draft_model.substitute import SubstituteLinear
 
@@ -22,25 +23,30 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
 
+def _family(layer: nn.Module):
+    """(the layer's architecture family, its sparse MoE block's (block, name, runner) or None)."""
+    moe = moe_runner(layer)
+    return architectures.layer_family(None if moe is None else moe[1]), moe
+
+
 def layer_linear_names(layer: nn.Module) -> list[str]:
     """The fused linears of a decoder layer that get a substitute: attention's, then the dense
-    MLP's, or in a sparse MoE layer its shared expert's (the routed experts: experts.py)."""
-    names = ["qkv_proj", "o_proj"]
-    moe = moe_runner(layer)
-    if moe is None:
-        return names + ["gate_up_proj", "down_proj"]
-    if getattr(moe[0], "shared_expert", None) is not None:
-        names += ["shared_expert.gate_up_proj", "shared_expert.down_proj"]
-    return names
+    MLP's, or in a sparse MoE layer its shared expert's (the routed experts: experts.py), as
+    the layer's family names them (`architectures.Family.substituted_linears`)."""
+    family, moe = _family(layer)
+    shared = moe is not None and family.shared_expert is not None and \
+        getattr(moe[0], family.shared_expert, None) is not None
+    return family.substituted_linears(shared)
 
 
 def layer_linear(layer: nn.Module, name: str) -> nn.Module:
     """A decoder layer's fused linear `name` (a `layer_linear_names` entry)."""
-    if name in ("qkv_proj", "o_proj"):
-        return getattr(layer.self_attn, name)
-    if name.startswith("shared_expert."):
-        return getattr(moe_runner(layer)[0].shared_expert, name.split(".", 1)[1])
-    return getattr(layer.mlp, name)
+    family, moe = _family(layer)
+    if name in family.attention_linears:
+        return getattr(getattr(layer, family.attention), name)
+    if family.shared_expert is not None and name.startswith(family.shared_expert + "."):
+        return getattr(getattr(moe[0], family.shared_expert), name.split(".", 1)[1])
+    return getattr(getattr(layer, family.mlp), name)
 
 
 def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear],
@@ -48,19 +54,19 @@ def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear],
                      ) -> nn.Module:
     """A copy of `layer` on `device` that runs `linears` (and `experts` in place of a sparse
     MoE block's runner) and shares the target's attention, rotary embedding and router."""
-    attn = layer.self_attn
+    family, moe = _family(layer)
+    attn = getattr(layer, family.attention)
     shared: dict[int, object] = {id(attn.attn): attn.attn}
     if hasattr(attn, "rotary_emb"):
         shared[id(attn.rotary_emb)] = attn.rotary_emb
     for name, sub in linears.items():
         shared[id(layer_linear(layer, name))] = sub
-    moe = moe_runner(layer)
     if moe is not None:
         block, _, runner = moe
         if experts is None:
             raise ValueError("vllm-subspec: a sparse MoE layer needs its expert substitutes")
         shared[id(runner)] = experts
-        for router_part in ("gate", "shared_expert_gate"):  # the target's, shared
+        for router_part in family.router_parts:  # the target's, shared
             module = getattr(block, router_part, None)
             if module is not None:
                 shared[id(module)] = module
@@ -92,7 +98,8 @@ def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear],
                 setattr(m, name, nn.Parameter(moved, requires_grad=False)
                         if isinstance(t, nn.Parameter) else moved)
     if moe is not None:  # the copy's shared expert runs its substitutes (Qwen2-MoE)
-        experts.__dict__["shared_expert"] = getattr(getattr(clone, moe[1]), "shared_expert", None)
+        experts.__dict__["shared_expert"] = None if family.shared_expert is None else \
+            getattr(getattr(clone, moe[1]), family.shared_expert, None)
     return clone
 
 
@@ -184,7 +191,8 @@ class DraftModel(nn.Module):
             return self.target.compute_logits(hidden_states)
         lp = self.target.logits_processor
         logits = self.lm_head(hidden_states)[0]
-        if getattr(self.target.lm_head, "tp_size", 1) > 1:  # each rank holds a shard of the vocabulary
+        # each rank holds a shard of the vocabulary
+        if getattr(self.target.lm_head, "tp_size", 1) > 1:
             from vllm.distributed import tensor_model_parallel_all_gather
 
             logits = tensor_model_parallel_all_gather(logits)

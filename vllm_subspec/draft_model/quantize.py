@@ -23,7 +23,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)  # type: ignore[return-value]
+        return tuple(self.codes.shape)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         n, k = self.shape

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vllm_subspec.config import SubSpecConfigError, SubSpecOptions
+from vllm_subspec import refusals
+from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.draft_model.experts import (
     ExpertWeight,
     SubstituteExperts,
@@ -184,12 +185,8 @@ def build_substitute_set(model: nn.Module, options: SubSpecOptions, vllm_config,
         logger.info("vllm-subspec: nothing is offloaded on the CPU backend, so every decoder "
                     "layer gets a substitute (set substitute_layers to choose)")
     streamed = sorted(set(offloaded) - set(chosen))
-    if streamed and getattr(get_offloader(), "module_offloaders", None):
-        # the draft would run their prefetch hooks: read whatever the ring put in their slot
-        # and start copies of its own (docs/gpu.md, "Prefetch overlap")
-        raise SubSpecConfigError(
-            f"substitute_layers must include every layer the prefetch offloader streams "
-            f"from CPU memory; missing {streamed} (use 'offloaded' or 'all')")
+    refusals.refuse_unsubstituted_streamed(
+        streamed, bool(streamed and getattr(get_offloader(), "module_offloaders", None)))
     if not chosen:
         logger.warning(
             "vllm-subspec: substitute_layers=%r selected no layer; the draft is the "

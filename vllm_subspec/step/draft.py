@@ -1,7 +1,8 @@
 """Drafting one step: a chain (`draft_chain`) or a dynamic tree grown one depth per pass
 (`draft_tree`), over `DraftPasses`, the draft's forwards through the target's own layers (built
-against vLLM's metadata by vllm_hooks/proposer.py; a stub in tests/unit/test_step_session.py),
-so nothing here names vLLM. Either is verified by sample-then-match (step/verify.py).
+against vLLM's metadata by vllm_hooks/draft_passes.py; a stub in
+tests/unit/test_step_session.py), so nothing here names vLLM. Either is verified by
+sample-then-match (step/verify.py).
 
 Design: docs/shape_tuner.md, "Dynamic trees" and "Frontier reads".
 """

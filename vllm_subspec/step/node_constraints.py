@@ -3,7 +3,8 @@ own path, so the target's draw at a node is the draw plain decoding would make a
 the node's path: allowed tokens, bad words, min_tokens' stop tokens, and the repetition,
 frequency and presence penalties over output + path, in the order of vLLM's
 `Sampler.apply_logits_processors`. Grammars are exact for chains only (`chain_only_reason`); a
-thinking budget is refused (`refusal`). docs/losslessness.md, "Request features".
+thinking budget is refused (`refusals.request_refusal`). docs/losslessness.md, "Request
+features".
 """
 
 from __future__ import annotations
@@ -25,28 +26,6 @@ def chain_only_reason(params) -> str | None:
     (`StructuredOutputManager.grammar_bitmask`), exact for a chain's positions only."""
     if getattr(params, "structured_outputs", None) is not None:
         return "structured outputs"
-    return None
-
-
-def refusal(params) -> str | None:
-    """Why SubSpec refuses a request vLLM would accept with speculative decoding (None: it
-    does not): a thinking budget's forced end is applied by vLLM's samplers, which SubSpec's
-    verify replaces, and nothing here applies it yet; logprobs of chosen token ids or of the
-    whole vocabulary, which the verify does not report."""
-    if getattr(params, "thinking_token_budget", None) is not None:
-        return ("thinking_token_budget is not supported with speculative method 'subspec' "
-                "(its forced end of thinking would not be applied); drop it, or serve "
-                "without --speculative-config")
-    # a drafting step's logprobs come from the verify (`SampleMatchVerifier._logprobs`: the
-    # top-k form); a step without drafts is vLLM's sampler's: the two would disagree
-    if getattr(params, "logprob_token_ids", None):
-        return ("logprob_token_ids is not supported with speculative method 'subspec' (a "
-                "verified step reports top-k logprobs only); ask for logprobs=N, or serve "
-                "without --speculative-config")
-    if getattr(params, "logprobs", None) == -1:
-        return ("logprobs=-1 (the whole vocabulary) is not supported with speculative method "
-                "'subspec' (a verified step reports top-k logprobs only); ask for logprobs=N, "
-                "or serve without --speculative-config")
     return None
 
 
@@ -97,6 +76,23 @@ def step_penalties(sampling_metadata, vocab: int, device: torch.device) -> StepP
     _, prompt_mask = get_token_bin_counts_and_mask(sampling_metadata.prompt_token_ids, vocab,
                                                    len(outputs))
     return StepPenalties(counts, prompt_mask)
+
+
+def penalized_at_widest(logits: torch.Tensor, num_requests: int, rows: int
+                        ) -> tuple[torch.Tensor, tuple]:
+    """What the rules here hold at their widest, made for the start-up memory profile on
+    `logits` ([>= rows, V], random): a step's penalty inputs over `num_requests` requests
+    (`step_penalties`: the counts and the prompt mask beside them), then `rows` rows as
+    `constrain` penalizes them (the fp32 copy, the rows' gathered counts, the frequency and
+    presence terms). Returns (the penalized fp32 rows, what stays live beside them)."""
+    vocab = logits.shape[-1]
+    counts = torch.zeros(num_requests, vocab + 1, dtype=torch.int64, device=logits.device)
+    penalties = StepPenalties(counts, counts[:, :vocab] > 0)
+    row_counts = counts[:rows].clone()[:, :vocab]
+    penalized = logits[:rows].float()
+    penalized -= 0.5 * row_counts
+    penalized -= 0.5 * (row_counts > 0)
+    return penalized, (penalties, row_counts)
 
 
 def constrain(logits: torch.Tensor, row_request: torch.Tensor, host_request: torch.Tensor,
@@ -158,16 +154,16 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: np.ndarray, depths: np.nda
     the request's min_tokens; rows of structured-output requests left all -inf keep them (as
     `MinTokensLogitsProcessor._mask_stop_token_logits`). The rows are found on the host per
     request, written with one copy, and restored on the device: no host read."""
-    rows, tokens, structured = [], [], []
+    row_parts, token_parts, structured_parts = [], [], []
     for i, (minimum, length, stop, is_structured) in state.items():
         under = np.flatnonzero((requests == i) & (length + depths < minimum))
-        rows.append(np.repeat(under, len(stop)))
-        tokens.append(np.tile(np.asarray(stop, dtype=np.int64), under.size))
-        structured.append(np.full(under.size * len(stop), is_structured))
-    rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        row_parts.append(np.repeat(under, len(stop)))
+        token_parts.append(np.tile(np.asarray(stop, dtype=np.int64), under.size))
+        structured_parts.append(np.full(under.size * len(stop), is_structured))
+    rows = np.concatenate(row_parts) if row_parts else np.zeros(0, dtype=np.int64)
     if not rows.size:
         return
-    tokens, structured = np.concatenate(tokens), np.concatenate(structured)
+    tokens, structured = np.concatenate(token_parts), np.concatenate(structured_parts)
     restorable = np.unique(rows[structured])
     # each entry's place among the restorable rows (entries of other rows: masked out below)
     place = np.minimum(np.searchsorted(restorable, rows), max(restorable.size - 1, 0))

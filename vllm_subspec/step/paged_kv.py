@@ -1,6 +1,7 @@
 """vLLM's paged KV cache as SubSpec reads, writes and moves it: logical positions to slots,
 each backend's per-layer cache layout (`layout_for`; on CPU one per attention ISA), and the KV
-compaction of accepted paths (`move_kv`).
+compaction of accepted paths (`move_accepted_kv`, through `copy_kv`: every request's moves in
+one gather and one write per layer).
 
 A request's logical position p lives in slot block_table[p // block_size] * block_size +
 p % block_size. The layouts are the backends' own (cited per class), read through views so
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_subspec import refusals
 from vllm_subspec.step.transfer import to_device
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
@@ -184,7 +186,8 @@ _CPU_LAYOUT_CHECKED: dict[str, bool] = {}
 
 
 def check_cpu_layout(isa: str, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
-    """Write random K/V with the CPU backend's own kernel and read them back."""
+    """Write random K/V with the CPU backend's own kernel and read them back (the refusal:
+    `refusals.refuse_cpu_kv_layout`)."""
     key = f"{isa}/{head_dim}/{block_size}/{dtype}"
     if key in _CPU_LAYOUT_CHECKED:
         return
@@ -202,35 +205,7 @@ def check_cpu_layout(isa: str, head_dim: int, block_size: int, dtype: torch.dtyp
         gk, gv = cpu_layout(kv, isa).gather(slots)
         ok = torch.equal(gk, k) and torch.equal(gv, v)
     _CPU_LAYOUT_CHECKED[key] = ok
-    if not ok:
-        raise RuntimeError(
-            f"vllm-subspec: tree attention cannot read the CPU KV cache layout of ISA {isa!r} "
-            "(supported: vec, vec16, amx); use tree_width=1 (chain drafting) on this CPU")
-
-
-def move_kv(kv_caches: list[tuple[object, torch.Tensor, str | None]],
-            block_table_row: torch.Tensor, table_block_size: int, src_logical: torch.Tensor,
-            dst_logical: torch.Tensor) -> None:
-    """Move K/V between logical positions of one request, in every layer (KV compaction).
-
-    kv_caches: (attention impl, per-layer cache, CPU attention ISA or None) per layer. Layers
-    whose views alias the same bytes (same data pointer, shape and strides) are moved once.
-    block_table_row holds blocks of `table_block_size` tokens (the runner's table: KV-manager
-    blocks); a cache may be viewed in smaller kernel blocks (vLLM splits a manager block into
-    `ratio` kernel blocks, `vllm.v1.kv_cache_interface.create_kv_cache_views`), and a flat slot
-    number is the same in both views, so slots are computed at the table's block size and each
-    layout splits them at its own."""
-    if src_logical.numel() == 0:
-        return
-    src = logical_to_slots(block_table_row, src_logical, table_block_size)
-    dst = logical_to_slots(block_table_row, dst_logical, table_block_size)
-    seen = set()
-    for impl, kv, isa in kv_caches:
-        key = (kv.data_ptr(), tuple(kv.shape), kv.stride())
-        if key in seen:
-            continue
-        seen.add(key)
-        layout_for(impl, kv, isa).move(src, dst)
+    refusals.refuse_cpu_kv_layout(isa, ok)
 
 
 @dataclass

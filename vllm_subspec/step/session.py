@@ -16,7 +16,8 @@ calls them (through vllm_hooks/):
    tree's slots; a step without drafts is sampled by vLLM's own sampler (`sampled_plain`).
 
 The state across those calls (pending and verifying trees, the plan, an auto shape's tuner, the
-step clock, `StepStats`) lives here only. docs/architecture.md, "One tree step, in run order".
+step clock (`tuner.step_timer.StepTimer`), `StepStats`) lives here only. docs/architecture.md,
+"One tree step, in run order".
 """
 
 from __future__ import annotations
@@ -39,19 +40,14 @@ from vllm_subspec.step.head_start import (
     draft_heads,
     hits,
 )
-from vllm_subspec.step.lm_head_choice import COMPARED_REQUESTS
 from vllm_subspec.step.paged_kv import PagedKv, copy_kv, move_accepted_kv
-from vllm_subspec.step.shape_tuner import ShapeTuner, StepPlan
 from vllm_subspec.step.tree import StoredTree, TreeBatch, TreeShape
 from vllm_subspec.step.tree_attention import TreePlan, TreeRows, tree_plan
+from vllm_subspec.step.tuner.lm_head_choice import COMPARED_REQUESTS, LmHeadLogits
+from vllm_subspec.step.tuner.policy import StepPlan
+from vllm_subspec.step.tuner.step_timer import StepTimer
+from vllm_subspec.step.tuner.tuner import ShapeTuner
 from vllm_subspec.step.verify import VerifiedTree, WalkResult, chain_tree, sample_then_match
-
-# (hidden states [rows, H], lm_head) -> [rows, V]: the draft's logits through that lm_head
-LmHeadLogits = Callable[[torch.Tensor, str], torch.Tensor]
-
-
-# A gap this long between two proposals is the engine waiting for requests, not a step.
-IDLE_GAP_SECONDS = 5.0
 
 
 @dataclass
@@ -137,17 +133,12 @@ class StepSession:
         self.shape = TreeShape(options.tree_width, options.tree_depth)
         self.tuner = tuner
         self.clock = clock
+        self.timer = StepTimer(tuner)  # the step clock, and the tuner's timings of it
         self.stats = StepStats()
         self.pending: dict[str, StoredTree] = {}  # drafted, not yet verified
         self.verifying: dict[str, VerifiedTree] = {}  # this step's trees
         self._verify_plan: TreePlan | None = None  # this step's verify rows, until the forward
         self._verify_start: float | None = None
-        self._verify_seconds: float | None = None  # the last tree verify's, for the tuner
-        self._last_draft_end: float | None = None
-        # the step in progress, for the tuner's measured rates: (its proposal's start, drafted,
-        # its requests) and the tokens its verify emitted (None: no tree verified in it)
-        self._step: tuple[float, bool, frozenset] | None = None
-        self._step_tokens: int | None = None
         # this step's plan until `propose` drafts it: (its start, its requests, the plan)
         self._plan: tuple[float, list[str], StepPlan] | None = None
         self._prompt_step = False  # the step just run also ran prompt tokens
@@ -232,9 +223,8 @@ class StepSession:
         """start: the proposal's drafting start; step_start: the step's, for its measured
         rate (the plan's time: vLLM's draft inputs between the two are the step's too)."""
         end = self.clock()
-        self._clock_rest_of_step(start, end)
-        self._step = (start if step_start is None else step_start, num_passes > 0,
-                      frozenset(req_ids))
+        self.stats.step_seconds += self.timer.proposed(start, end, num_passes > 0, req_ids,
+                                                       step_start)
         self.stats.draft_steps += 1
         self.stats.draft_passes += num_passes
         self.stats.draft_seconds += end - start
@@ -245,7 +235,8 @@ class StepSession:
         self.stats.tree_width = k
         lm_head = plan.lm_head or self.options.draft_lm_heads[0]
         # a compared step keeps its first requests' hidden states until their verify, where
-        # both lm_heads rank the target's draws along the accepted paths (`_compare_lm_heads`)
+        # both lm_heads rank the target's draws along the accepted paths
+        # (`LmHeadChoice.observe_paths`)
         compared = min(COMPARED_REQUESTS, len(req_ids)) if plan.compare_lm_heads else 0
         adaptive = tuner is not None and plan.adaptive and not plan.full_depth
         starts = self._head_trees_for(req_ids, k, chain_only)
@@ -307,33 +298,9 @@ class StepSession:
         return stored
 
     def _close_step(self, now: float, req_ids: list[str]) -> None:
-        """The last step ran from its proposal to this one (`req_ids`'): its tokens and wall
-        time go to the tuner's measured rates. A plain step emitted one token per request; a
-        drafting step what its verify emitted. Not counted: a step across an idle engine, and
-        one in which requests joined (their prefill ran in it: its time is not the decode's)."""
-        step, tokens, self._step, self._step_tokens = self._step, self._step_tokens, None, None
-        if self.tuner is None or step is None or now - step[0] >= IDLE_GAP_SECONDS:
-            return
-        started, drafted, requests = step
-        if not requests.issuperset(req_ids):
-            return
-        self.tuner.observe_step(drafted, len(requests),
-                                tokens if drafted and tokens else len(requests), now - started,
-                                decode_only=not self._prompt_step)
-
-    def _clock_rest_of_step(self, start: float, end: float) -> None:
-        """The tuner's "rest of a step": from the end of the last draft to this one's start,
-        less the verify in between (not across an idle engine: the gap must be a step's, not
-        a pause's)."""
-        verify, self._verify_seconds = self._verify_seconds, None
-        idle = self._last_draft_end is None or start - self._last_draft_end >= IDLE_GAP_SECONDS
-        # a step after an idle gap (or the first) counts from its own drafting on
-        self.stats.step_seconds += end - (start if idle else self._last_draft_end)
-        if self.tuner is not None and self._last_draft_end is not None and verify:
-            other = start - self._last_draft_end - verify
-            if other < 4 * (verify + end - start):
-                self.tuner.observe_other(other)
-        self._last_draft_end = end
+        """The last step ran from its proposal to this one (`req_ids`'): to the tuner's
+        measured rates (`StepTimer.close_step`)."""
+        self.timer.close_step(now, req_ids, decode_only=not self._prompt_step)
 
     # ---- 2. verify inputs ----------------------------------------------------------------
     def prepare_verify(self, requests: list[VerifyRequest],
@@ -436,25 +403,24 @@ class StepSession:
                    in zip(trees, walk.paths, num_draft, walk.tokens) if v is not None and v.compact]
         self.stats.verified_trees += len(drafted)
         # every request's emitted tokens: its accepted path and the bonus (from the host walk)
-        self._step_tokens = sum(len(p) + 1 for p in walk.paths)
+        self.timer.emitted(sum(len(p) + 1 for p in walk.paths))
         # the tuner learns from the trees of its shape (a chain-only request's best path is not)
         drafted = [(v, p, n, e) for v, p, n, e in drafted if v.tree.level_log_mass]
         if self.tuner is not None:
-            for v, path, n, emitted in drafted:
+            for v, path, n, _ in drafted:
                 self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, len(path),
                                         n // v.tree.width)
-            if lm_head_logits is not None:
-                self._compare_lm_heads([(v.tree, [0, *path], emitted)
-                                        for v, path, _, emitted in drafted
-                                        if v.tree.node_hidden is not None],
-                                       max_rows, lm_head_logits)
+            if lm_head_logits is not None and self.tuner.lm_heads is not None:
+                self.tuner.lm_heads.observe_paths([(v.tree, [0, *path], emitted)
+                                                   for v, path, _, emitted in drafted
+                                                   if v.tree.node_hidden is not None],
+                                                  max_rows, lm_head_logits)
         if self._verify_start is not None:  # the head starts' time is theirs
             seconds = self.clock() - self._verify_start - self._head_start_seconds
             self.stats.verify_seconds += seconds
             widths = {v.tree.width for v, _, _, _ in drafted}
-            if self.tuner is not None and len(widths) == 1:  # one step drafts one width
-                self._verify_seconds = seconds
-                self.tuner.observe_verify(widths.pop(), sum(num_draft) + len(num_draft), seconds)
+            if len(widths) == 1:  # one step drafts one width
+                self.timer.verified(widths.pop(), sum(num_draft) + len(num_draft), seconds)
         self._verify_start = None
         self.verifying = {}
         return walk
@@ -477,35 +443,3 @@ class StepSession:
         copy_kv(copies.requests, copies.src, copies.dst, kv())
         self.head_trees = {h.req_id: tree for h, tree in confirmed}
         self.stats.head_start_hits += len(confirmed)
-
-    def _compare_lm_heads(self, paths: list[tuple[StoredTree, list[int], torch.Tensor]],
-                       max_rows: int | None, lm_head_logits: LmHeadLogits) -> None:
-        """Score both lm_heads on the same target draws, paired (`LmHeadComparison`): along
-        each accepted path (the root, then the accepted nodes), the rank of the target's draw
-        after each node a pass ran from among each head's top tokens there. The drafts along
-        the path are the target's own tokens, so the draft's hidden states there are the same
-        whichever head drafted; only these rows go through the heads (in chunks of max_rows,
-        as the verify draws), not every row of every pass."""
-        heads = self.tuner.lm_heads
-        if heads is None or not paths:
-            return
-        hidden, draws = [], []
-        for tree, nodes, emitted in paths:
-            depths = tree.depths()
-            ran = [(node, drawn) for node, drawn in zip(nodes, emitted.tolist())
-                   if depths[node] < tree.hidden_depth]
-            if ran:  # one gather per tree
-                hidden.append(tree.node_hidden[[node for node, _ in ran]])
-                draws += [drawn for _, drawn in ran]
-        if not draws:
-            return
-        rows, top = torch.cat(hidden), max(self.tuner.widths)
-        chunk = max_rows or len(draws)
-        tops: dict[str, list[list[int]]] = {h: [] for h in heads.heads}
-        for start in range(0, len(draws), chunk):
-            for h in heads.heads:
-                logits = lm_head_logits(rows[start: start + chunk], h)
-                tops[h].extend(logits.topk(top, dim=-1).indices.tolist())
-        for j, drawn in enumerate(draws):
-            heads.observe_ranks({h: t[j].index(drawn) if drawn in t[j] else None
-                                 for h, t in tops.items()})

@@ -1,4 +1,5 @@
-"""Dynamic draft trees: layout, growth by global top-k, ancestor masks, the accepted path.
+"""Dynamic draft trees: layout, growth by global top-k, ancestor masks, the stored tree (its
+walk: step/verify.py).
 A tree of depth D and width k has n = 1 + D*k nodes numbered level by level (root 0: the bonus
 token of the last step); node i lives in KV slot L + i of its request and is computed at RoPE
 position L + depth(i) (L: the root's position). Depth-D nodes are never forwarded by the draft.
@@ -133,24 +134,6 @@ def sharpened_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tenso
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
-def accepted_path(tokens: list[int], parents: list[int], target: list[int]) -> list[int]:
-    """Sample-then-match walk over one tree: the accepted node indices (root excluded).
-    target[i] is the target's token drawn at node i (argmax when greedy): from the root, move to
-    the child whose token equals the draw at the current node, while there is one. The emitted
-    tokens are target[a] for a in [0] + path: the draws along the path, the last the bonus."""
-    children: dict[int, dict[int, int]] = {}
-    for i in range(1, len(tokens)):
-        # keep the first (highest-scored) child per token; a duplicate could never be reached
-        children.setdefault(parents[i], {}).setdefault(tokens[i], i)
-    path, cur = [], 0
-    while True:
-        nxt = children.get(cur, {}).get(target[cur])
-        if nxt is None:
-            return path
-        path.append(nxt)
-        cur = nxt
-
-
 @dataclass
 class StoredTree:
     """A request's drafted tree, kept until the target has verified it."""
@@ -168,7 +151,7 @@ class StoredTree:
 
     def depths(self) -> list[int]:
         """Each node's depth (root 0); parents precede their children."""
-        out = []
+        out: list[int] = []
         for p in self.parents:
             out.append(0 if p < 0 else out[p] + 1)
         return out
@@ -184,13 +167,3 @@ class StoredTree:
         m = len(path)
         return StoredTree([self.tokens[0]] + path[::-1], list(range(-1, m)),
                           torch.ones(m + 1, m + 1, dtype=torch.bool).tril(), 1)
-
-    def node_paths(self, n: int) -> list[list[int]]:
-        """For nodes 0 .. n-1, the tokens from the root (exclusive) down to the node
-        (inclusive): what the request would have generated after its last verified token if
-        the walk reached that node. Dead nodes (no parent) get none."""
-        out: list[list[int]] = []
-        for i in range(n):  # parents precede their children
-            p = self.parents[i]
-            out.append([] if p < 0 else out[p] + [self.tokens[i]])
-        return out

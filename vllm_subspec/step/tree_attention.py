@@ -30,6 +30,7 @@ from vllm_subspec.step.paged_kv import (
     logical_to_slots,
 )
 
+
 @dataclass
 class TreeRows:
     """One request's tree rows in the current forward."""
@@ -84,34 +85,6 @@ def tree_plan(plan: TreePlan | None):
 
 def active_tree_plan() -> TreePlan | None:
     return _ACTIVE_PLAN.get()
-
-
-def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
-                        scale: float) -> torch.Tensor:
-    """Attention output [q_len, heads, head_dim] for one request's tree rows (`block_table`:
-    its row).
-
-    Row r sees the prefix [0, L) and the tree slots its mask allows (its ancestors and itself,
-    at least one position in all). On the CPU backend this is vLLM's own kernel over exactly those
-    positions (`_cpu_kernel_rows`: bit-identical to the decode row plain decoding computes for that
-    token); with FlashAttention's cache the Triton kernel (`tree_attention_triton`); else a
-    torch fp32 recomputation (`_torch_rows`).
-    """
-    if uses_cpu_kernel(layout, query):
-        return _cpu_kernel_rows(query, layout, cpu_scratch(layout, block_table[None], [rows],
-                                                           query.shape[1], query.dtype), scale)
-    if isinstance(layout, FlashAttentionLayout):
-        from vllm_subspec.step.tree_attention_triton import tree_rows_layout
-
-        one = TreeRows(0, 0, rows.prefix_len, rows.tree_mask)
-        out = torch.empty(rows.tree_mask.shape[0], *query.shape[1:], dtype=query.dtype,
-                          device=query.device)
-        _triton_rows(out, query[rows.q_start: rows.q_start + out.shape[0]], layout,
-                     block_table[None], tree_rows_layout(
-                         [one], query.device, query.shape[1] // layout.kv_heads,
-                         layout.kv_heads, block_table.shape[-1] * layout.block_size), scale)
-        return out
-    return _torch_rows(query, layout, block_table, rows, scale)
 
 
 def _triton_rows(out: torch.Tensor, query: torch.Tensor, layout: FlashAttentionLayout,

@@ -11,12 +11,18 @@ whole-batch array operation (`VerifyRows`), so a step's launches do not grow wit
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from vllm_subspec.step.node_constraints import applies, constrain, step_penalties
+from vllm_subspec.step.node_constraints import (
+    applies,
+    constrain,
+    penalized_at_widest,
+    step_penalties,
+)
 from vllm_subspec.step.paged_kv import KvMove
 from vllm_subspec.step.transfer import to_device
 from vllm_subspec.step.tree import StoredTree
@@ -145,7 +151,7 @@ def _draw_in_chunks(logits, rows: VerifyRows, row_request, host_request, samplin
         stop = min(start + chunk, n)
         constrained = constrain(logits[start:stop], row_request[start:stop],
                                 host_request[start:stop], rows.depth[start:stop],
-                                lambda a=start, b=stop: paths(a, b), sampling_metadata,
+                                functools.partial(paths, start, stop), sampling_metadata,
                                 penalties)
         generators = {row - start: g for row, g in row_generators.items() if start <= row < stop}
         draws.append(draw_target_tokens(constrained, row_request[start:stop], generators,
@@ -194,6 +200,20 @@ def sample_then_match(trees: list[VerifiedTree | None], num_draft: list[int],
     moves = [KvMove(v.req_index, v.root, p) for v, p in zip(trees, walked)
              if v is not None and v.compact and p != list(range(1, len(p) + 1))]
     return WalkResult(torch.from_numpy(out), torch.from_numpy(at), walked, moves)
+
+
+def draws_at_widest(logits: torch.Tensor, num_requests: int, rows: int,
+                    topk_topp_sampler) -> None:
+    """The largest temporaries a verify's draws make past its logits (`_draw_in_chunks`),
+    made on `logits` (random, [N, V]) for the start-up memory profile: the step's penalty
+    inputs over `num_requests` requests and one chunk of `rows` rows penalized in fp32
+    (`node_constraints.penalized_at_widest`), scaled by a temperature, then drawn by vLLM's
+    top-k/top-p sampler while all of it is held."""
+    scaled, held = penalized_at_widest(logits, num_requests, rows)
+    scaled /= 0.5
+    full = lambda value: torch.full((rows,), value, device=logits.device)  # noqa: E731
+    topk_topp_sampler(scaled, {}, full(logits.shape[-1] - 1), full(0.9))
+    del held
 
 
 class SeededDraws:

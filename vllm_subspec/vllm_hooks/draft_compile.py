@@ -67,8 +67,10 @@ def build_draft_model(target: nn.Module, substitutes: SubstituteSet, device: tor
                                       STRUCTURE_KEY: structure}
     with set_current_vllm_config(draft_config), \
             set_model_tag(f"{DRAFT_MODEL_TAG}_{structure}"):
-        model = CompiledDraftModel(target=target, substitutes=substitutes, device=device,
-                                   vllm_config=draft_config, prefix=DRAFT_MODEL_TAG)
+        # (vLLM's support_torch_compile adds the vllm_config and prefix arguments)
+        model = CompiledDraftModel(target=target, substitutes=substitutes,  # type: ignore[call-arg]
+                                   device=device, vllm_config=draft_config,
+                                   prefix=DRAFT_MODEL_TAG)
     if device.type == "cpu" and vllm_config.compilation_config.mode == CompilationMode.NONE:
         cpu_fused_norms([model.layers[i] for i in model.substituted])
     return model

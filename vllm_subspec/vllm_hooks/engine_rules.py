@@ -6,18 +6,18 @@ engine arguments SubSpec depends on. Both run in the front end inside
 `EngineArgs.create_speculative_config` (patches.py), which `EngineArgs.create_engine_config`
 calls before it builds the SchedulerConfig, AttentionConfig and CompilationConfig from those
 arguments. Every refusal is one `SubSpecConfigError`, raised before any weight is loaded; each
-worker re-checks the resolved config (`check_final_config`). The rules and why: docs/gpu.md,
-"CUDA configuration rules".
+worker re-checks the resolved config (`check_final_config`). The functions here gather the facts
+from vLLM's config objects; the refusals' conditions and messages are refusals.py's. The rules
+and why: docs/gpu.md, "CUDA configuration rules".
 """
 
 from __future__ import annotations
 
 import logging
 
+from vllm_subspec import architectures, refusals
 from vllm_subspec.config import (
     ADDITIONAL_CONFIG_KEY,
-    SUPPORTED_MOE_ARCHITECTURES,
-    SubSpecConfigError,
     SubSpecOptions,
     check_target_supported,
     check_tensor_parallel_shards,
@@ -32,17 +32,14 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
     """`method` is a pydantic Literal, so "subspec" cannot reach SpeculativeConfig. Validate the
     SubSpec keys, move them to additional_config["subspec"] (which reaches every process), and
     hand vLLM a draft_model config whose "draft" is the target: that gives SubSpec lookahead KV
-    slots, the GPU-token drafting path and vLLM's rejection sampler."""
+    slots and the GPU-token drafting path (the verify is SubSpec's `SampleMatchVerifier`, in the
+    runner's rejection-sampler slot, for chains and trees alike)."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     spec.pop("method")
     model = spec.pop("model", None)
     options = SubSpecOptions.from_dict(spec)  # rejects unknown keys
     target = target_model_config.model
-    if model is not None and model != target:
-        raise SubSpecConfigError(
-            f"'model' must be omitted for method 'subspec' (the draft is the target {target!r} "
-            f"itself), got {model!r}"
-        )
+    refusals.refuse_draft_model(model, target)
     check_target_supported(
         target_model_config.hf_config,
         target_parallel_config.pipeline_parallel_size,
@@ -50,24 +47,11 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
     )
     check_tensor_parallel_shards(target_model_config.hf_config,
                                  target_parallel_config.tensor_parallel_size, options.group_size)
-    quantization = getattr(target_model_config, "quantization", None)
-    if quantization is not None:
-        raise SubSpecConfigError(
-            f"the target is quantized ({quantization!r}); SubSpec builds its substitutes from "
-            "full-precision linear weights (bf16/fp16/fp32), which a quantized layer does not "
-            "keep. Serve the unquantized checkpoint, or drop --speculative-config")
-    logprobs_mode = str(target_model_config.logprobs_mode)
-    if logprobs_mode.startswith("processed"):
-        raise SubSpecConfigError(
-            f"logprobs_mode {logprobs_mode!r} is not supported by SubSpec (raw_logprobs and "
-            "raw_logits are): its verify reports the target's raw logprobs of each emitted "
-            "token, as a plain engine's default mode does")
+    refusals.refuse_quantized_target(getattr(target_model_config, "quantization", None))
+    refusals.refuse_logprobs_mode(str(target_model_config.logprobs_mode))
     import vllm.envs as envs
 
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        raise SubSpecConfigError(
-            "SubSpec needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER"
-        )
+    refusals.refuse_v2_model_runner(bool(envs.VLLM_USE_V2_MODEL_RUNNER))
     additional = dict(additional_config or {})
     additional[ADDITIONAL_CONFIG_KEY] = options.to_dict()
     vllm_spec = {
@@ -113,35 +97,19 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
 def _refuse_context_parallel(parallel_config) -> None:
     """Context parallelism splits a request's KV positions over the ranks; the draft's KV moves
     and the tree's gather read every position of a rank's heads from its own cache."""
-    dcp = getattr(parallel_config, "decode_context_parallel_size", 1)
-    pcp = getattr(parallel_config, "prefill_context_parallel_size", 1)
-    if dcp > 1 or pcp > 1:
-        raise SubSpecConfigError(
-            f"SubSpec does not run with context parallelism (decode {dcp}, prefill {pcp}): "
-            "each rank must hold every position of its KV heads. Use tensor parallelism "
-            "without --decode-context-parallel-size / --prefill-context-parallel-size")
+    refusals.refuse_context_parallel(getattr(parallel_config, "decode_context_parallel_size", 1),
+                                     getattr(parallel_config, "prefill_context_parallel_size", 1))
 
 
 def _refuse_moe_extras(engine_args, target_model_config, target_parallel_config) -> None:
     """A MoE target's draft routes with the target's router and runs a `MoERunner`'s place:
     what re-wires or records that routing is not served (docs/moe.md)."""
-    archs = getattr(target_model_config.hf_config, "architectures", None) or []
-    if not any(a in SUPPORTED_MOE_ARCHITECTURES for a in archs):
+    if not architectures.is_moe(target_model_config.hf_config):
         return
-    extras = {
-        "--enable-lora (vLLM wraps the experts for LoRA)": getattr(engine_args, "enable_lora",
-                                                                   False),
-        "--enable-expert-parallel": target_parallel_config.enable_expert_parallel,
-        "--enable-eplb": target_parallel_config.enable_eplb,
-        "--data-parallel-size > 1": target_parallel_config.data_parallel_size > 1,
-        "--enable-return-routed-experts (the draft's routing would be recorded)": getattr(
-            engine_args, "enable_return_routed_experts", False),
-    }
-    used = [name for name, on in extras.items() if on]
-    if used:
-        raise SubSpecConfigError(
-            f"mixture-of-experts targets run with SubSpec without {', '.join(used)}; serve "
-            "without them, or without --speculative-config")
+    refusals.refuse_moe_extras(
+        getattr(engine_args, "enable_lora", False), target_parallel_config.enable_expert_parallel,
+        target_parallel_config.enable_eplb, target_parallel_config.data_parallel_size,
+        getattr(engine_args, "enable_return_routed_experts", False))
 
 
 def _refuse_shared_head_starts(engine_args, options: SubSpecOptions, target_model_config,
@@ -151,22 +119,10 @@ def _refuse_shared_head_starts(engine_args, options: SubSpecOptions, target_mode
     scratch from one global workspace, tensor parallelism runs collectives on shared
     communicators (two in flight from two streams can deadlock), and a KV connector moves KV
     on its own schedule."""
-    if not options.head_start_levels:
-        return
-    archs = getattr(target_model_config.hf_config, "architectures", None) or []
-    shared = {
-        "a mixture-of-experts target (its experts' workspace is shared)": any(
-            a in SUPPORTED_MOE_ARCHITECTURES for a in archs),
-        "--tensor-parallel-size > 1 (collectives from two streams)":
-            target_parallel_config.tensor_parallel_size > 1,
-        "--kv-transfer-config (a connector moves KV on its own schedule)":
-            getattr(engine_args, "kv_transfer_config", None) is not None,
-    }
-    used = [name for name, on in shared.items() if on]
-    if used:
-        raise SubSpecConfigError(
-            f"head_start_levels drafts beside the verify on CUDA, which is not safe with "
-            f"{', '.join(used)}; drop head_start_levels")
+    refusals.refuse_shared_head_starts(
+        options.head_start_levels, architectures.is_moe(target_model_config.hf_config),
+        target_parallel_config.tensor_parallel_size,
+        getattr(engine_args, "kv_transfer_config", None) is not None)
 
 
 def subspec_worker_cls(platform) -> str:
@@ -178,38 +134,22 @@ def subspec_worker_cls(platform) -> str:
 
 def _use_subspec_worker(parallel_config, platform) -> None:
     ours = subspec_worker_cls(platform)
-    if parallel_config.worker_cls not in ("auto", ours):
-        raise SubSpecConfigError(
-            f"worker_cls {parallel_config.worker_cls!r} cannot be combined with SubSpec, whose "
-            f"model runner vLLM builds through its own worker class ({ours}); drop "
-            "--worker-cls (worker_extension_cls adds methods to SubSpec's worker)")
+    refusals.refuse_worker_cls(parallel_config.worker_cls, ours)
     parallel_config.worker_cls = ours
 
 
 def _check_kernel_runs_here(options: SubSpecOptions, platform) -> None:
-    device = "CPU" if platform.is_cpu() else "CUDA"
-    runs_on = {"int4_cpu_dot": "CPU", "int4_cpu": "CPU", "gemlite": "CUDA"}.get(options.kernel)
-    if runs_on not in (None, device):
-        raise SubSpecConfigError(
-            f"invalid speculative_config: kernel {options.kernel!r} runs on {runs_on} only, and "
-            f"this engine runs on {device}; use kernel 'auto'")
+    refusals.refuse_kernel_device(options.kernel, "CPU" if platform.is_cpu() else "CUDA")
     if options.kernel == "int4_cpu_dot":
         from vllm_subspec.draft_model.int4_dot_cpu import cpu_has_flags
 
-        if not cpu_has_flags():
-            raise SubSpecConfigError(
-                "invalid speculative_config: kernel 'int4_cpu_dot' needs an x86 CPU with "
-                "AVX512-BF16 (flags avx512f, avx512bw, avx512vl, avx512_bf16); 'int4_cpu' runs "
-                "on any CPU")
+        refusals.refuse_int4_cpu_dot(cpu_has_flags())
 
 
 def _refuse_micro_batching(parallel_config) -> None:
     """A tree plan is active in the thread that runs the forward; vLLM's micro-batching runs
     forwards in threads of its own, where tree rows would get causal attention."""
-    if parallel_config.use_ubatching:
-        raise SubSpecConfigError(
-            "tree drafting does not support micro-batching (--enable-dbo / ubatch_size > 1); "
-            "drop it or use tree_width=1")
+    refusals.refuse_micro_batching(parallel_config.use_ubatching)
 
 
 def _offload_through_prefetch(engine_args, target_model_config,
@@ -237,8 +177,7 @@ def _offload_through_prefetch(engine_args, target_model_config,
                         "(docs/gpu.md, 'Prefetch overlap')")
         return
     hf = target_model_config.hf_text_config
-    archs = getattr(target_model_config.hf_config, "architectures", None) or []
-    if any(a in SUPPORTED_MOE_ARCHITECTURES for a in archs):
+    if architectures.is_moe(target_model_config.hf_config):
         logger.info("vllm-subspec: --cpu-offload-gb %g stays on vLLM's UVA offloader for this "
                     "mixture-of-experts target: a step reads only the experts it routes to, "
                     "where prefetching would stream every expert of a layer every step "
@@ -272,17 +211,9 @@ def _offload_through_prefetch(engine_args, target_model_config,
 
 
 def _require_offload(engine_args, options: SubSpecOptions) -> None:
-    if options.substitute_layers != "offloaded":
-        return  # explicit layers (or "all"): the user chose what the draft substitutes
-    prefetch = engine_args.offload_backend in ("prefetch", "auto") and \
-        (engine_args.offload_group_size or 0) > 0 and (engine_args.offload_num_in_group or 0) > 0
-    uva = engine_args.offload_backend in ("uva", "auto") and (engine_args.cpu_offload_gb or 0) > 0
-    if not (prefetch or uva):
-        raise SubSpecConfigError(
-            "nothing is offloaded (--cpu-offload-gb is 0 and no prefetch offload is set), so "
-            "substitute_layers='offloaded' selects no layer and the draft would be the "
-            "full-precision target: slower than plain decoding. Offload weights "
-            "(e.g. --cpu-offload-gb 10), or set substitute_layers to 'all' or a list of layers")
+    refusals.refuse_nothing_offloaded(
+        options.substitute_layers, engine_args.offload_backend, engine_args.offload_group_size,
+        engine_args.offload_num_in_group, engine_args.cpu_offload_gb)
 
 
 def _no_placeholder_drafts(engine_args, options: SubSpecOptions,
@@ -328,10 +259,7 @@ def _no_async_scheduling(engine_args) -> None:
     draft_model, `VllmConfig.__post_init__`) makes both placeholders, and the runner's
     `num_computed_tokens_cpu`, the tree verify's root position, optimistic until corrected
     after the forward (`GPUModelRunner._update_states`)."""
-    if engine_args.async_scheduling:
-        raise SubSpecConfigError(
-            "async scheduling is not supported by SubSpec (its verify reads the scheduled "
-            "draft tokens on the host); drop --async-scheduling")
+    refusals.refuse_async_scheduling(engine_args.async_scheduling)
     if engine_args.async_scheduling is None:
         logger.info("vllm-subspec: async scheduling off (the verify reads the scheduled draft "
                     "tokens on the host, which async scheduling leaves as placeholders)")
@@ -351,14 +279,9 @@ def _pin_flash_attention(engine_args, target_model_config, platform) -> None:
     # `EngineArgs.create_engine_config` applies it
     chosen = AttentionConfig.validate_backend_before(engine_args.attention_backend) \
         or engine_args.attention_config.backend
-    if chosen is not None and chosen != flash:
-        raise SubSpecConfigError(
-            f"tree drafting needs the FLASH_ATTN attention backend (the tree mask lives there), "
-            f"got {chosen.name}; drop the attention backend option or use tree_width=1")
-    if getattr(engine_args.attention_config, "backend_per_kind", None):
-        raise SubSpecConfigError(
-            "attention_config.backend_per_kind is not supported with tree drafting (every "
-            "decoder layer must run FLASH_ATTN); drop it or use tree_width=1")
+    refusals.refuse_attention_backend(None if chosen is None else chosen.name)
+    refusals.refuse_backend_per_kind(getattr(engine_args.attention_config, "backend_per_kind",
+                                             None))
     # The call the worker's backend selector makes (`CudaPlatformBase.get_attn_backend_cls`): it
     # refuses GPUs, dtypes and head sizes FlashAttention cannot run, now rather than at model load.
     selector = AttentionSelectorConfig(
@@ -368,10 +291,7 @@ def _pin_flash_attention(engine_args, target_model_config, platform) -> None:
     try:
         platform.get_attn_backend_cls(flash, selector, num_heads=None)
     except ValueError as e:
-        raise SubSpecConfigError(
-            f"tree drafting on CUDA runs FlashAttention, which cannot run this configuration "
-            f"({e}); use dtype bfloat16/float16 on an Ampere or newer GPU, or tree_width=1"
-        ) from e
+        refusals.refuse_flash_attention_config(e)
     if chosen is None:
         if engine_args.attention_config.backend is None:
             engine_args.attention_backend = flash
@@ -392,16 +312,8 @@ def _refuse_unreadable_kv(engine_args, target_model_config) -> None:
     from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
     kv_dtype = resolved_kv_cache_dtype(engine_args, target_model_config)
-    if is_quantized_kv_cache(kv_dtype):
-        raise SubSpecConfigError(
-            f"kv_cache_dtype {kv_dtype!r} is not supported with tree drafting (the tree "
-            "attention reads the cache without quantization scales); use kv_cache_dtype 'auto' "
-            "(unquantized) or tree_width=1")
-    window = sliding_window_of(target_model_config.hf_text_config)
-    if window is not None:
-        raise SubSpecConfigError(
-            f"the target uses sliding-window attention (window {window}), which tree drafting "
-            "does not support (blocks outside the window can be freed); use tree_width=1")
+    refusals.refuse_quantized_kv_cache(kv_dtype, is_quantized_kv_cache(kv_dtype))
+    refusals.refuse_sliding_window(sliding_window_of(target_model_config.hf_text_config))
 
 
 def check_final_config(vllm_config, options: SubSpecOptions, platform) -> None:
@@ -419,13 +331,9 @@ def check_final_config(vllm_config, options: SubSpecOptions, platform) -> None:
     cc = vllm_config.compilation_config
     attention_outside = cc.cudagraph_mode == CUDAGraphMode.NONE or (
         cc.cudagraph_mode == CUDAGraphMode.PIECEWISE and cc.is_attention_compiled_piecewise())
-    if not attention_outside or envs.VLLM_USE_BREAKABLE_CUDAGRAPH:
-        raise SubSpecConfigError(
-            f"tree drafting needs attention outside CUDA graphs, but this configuration "
-            f"(cudagraph_mode {cc.cudagraph_mode.name}, splitting_ops {cc.splitting_ops}, "
-            f"breakable graphs {bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH)}) captures it; drop "
-            "fuse_attn_quant / custom splitting_ops / VLLM_USE_BREAKABLE_CUDAGRAPH, or use "
-            "tree_width=1")
+    refusals.refuse_attention_in_cuda_graphs(attention_outside,
+                                             bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH),
+                                             cc.cudagraph_mode.name, cc.splitting_ops)
 
 
 def sliding_window_of(hf_text_config) -> int | None:

@@ -6,13 +6,15 @@ The order, on CUDA: the branch copies, then `inputs_copied` (an event), are queu
 compute stream before the verify forward; the passes, issued once the verify's logits are
 queued, wait for that event alone, not for the verify; the walk's stream waits for the passes'
 end (`join`) only before it reads or moves what they drafted, after the sampling and the
-accepted paths' KV moves (which touch no slot of theirs). tests/unit/test_head_start_schedule.py checks the slots each stream reads and writes
-under these rules with a vector-clock model of streams and events.
+accepted paths' KV moves (which touch no slot of theirs). tests/unit/test_head_start_schedule.py
+checks the slots each stream reads and writes under these rules with a vector-clock model of
+streams and events.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -24,8 +26,8 @@ class HeadStartStream:
         # made now: the profiling pass allocates on it (the caching allocator keeps each
         # stream's blocks apart)
         self.stream = self.cuda.Stream() if self.cuda is not None else None
-        self._inputs: object | None = None  # event: the branch copies are queued before it
-        self._done: object | None = None  # event: the passes' end
+        self._inputs: Any = None  # event: the branch copies are queued before it
+        self._done: Any = None  # event: the passes' end
 
     def inputs_copied(self) -> None:
         """On the compute stream, after the branch copies and before the verify forward."""

@@ -21,7 +21,8 @@ TESTED_VLLM = ((0, 32), (0, 34))  # [min, max): 0.32.0 ran end to end, 0.33 diff
 # "1": then they are applied with a warning (each wrap target may have moved: check the output
 # against plain decoding; docs/troubleshooting.md).
 ALLOW_UNTESTED_VLLM_ENV = "VLLM_SUBSPEC_ALLOW_UNTESTED_VLLM"
-_APPLIED: set[str] = set()
+# patch id -> the (owner, attribute) it wrapped in this process
+_APPLIED: dict[str, tuple[object, str]] = {}
 
 
 def _wrap(owner, attr: str, make_wrapper, patch_id: str) -> None:
@@ -33,7 +34,7 @@ def _wrap(owner, attr: str, make_wrapper, patch_id: str) -> None:
     functools.update_wrapper(wrapper, original)
     wrapper.__subspec_original__ = original
     setattr(owner, attr, wrapper)
-    _APPLIED.add(patch_id)
+    _APPLIED[patch_id] = (owner, attr)
 
 
 # ---- 1. front end: accept {"method": "subspec", ...} -------------------------------------
@@ -50,7 +51,9 @@ def _patch_create_speculative_config() -> None:
                 from vllm.platforms import current_platform
 
                 from vllm_subspec.vllm_hooks.engine_rules import (
-                    apply_platform_rules, translate_speculative_config)
+                    apply_platform_rules,
+                    translate_speculative_config,
+                )
 
                 self.speculative_config, self.additional_config, options = \
                     translate_speculative_config(spec, self.additional_config,
@@ -167,7 +170,7 @@ def tree_attention_forward(original, kv_written_apart: bool):
 # ---- 5. request features SubSpec refuses: one clear error per request --------------------
 # Target: vllm.v1.engine.input_processor.InputProcessor._validate_params, where vLLM refuses
 # min_p and logit_bias for every speculative method (through SamplingParams.verify). The rule
-# is node_constraints.refusal.
+# is refusals.request_refusal.
 def _patch_request_refusals() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
@@ -177,9 +180,9 @@ def _patch_request_refusals() -> None:
             if ADDITIONAL_CONFIG_KEY in (self.vllm_config.additional_config or {}):
                 from vllm.exceptions import VLLMValidationError
 
-                from vllm_subspec.step.node_constraints import refusal
+                from vllm_subspec.refusals import request_refusal
 
-                reason = refusal(params)
+                reason = request_refusal(params)
                 if reason is not None:
                     raise VLLMValidationError(reason)
             return result

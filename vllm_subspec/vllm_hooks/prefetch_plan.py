@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vllm_subspec.architectures import has_qkv_bias
+
 SLOTS = 2  # GPU slots: the verify's copy stream never waits for a compute, and 2 layers'
 # copies fit in any draft step (docs/gpu.md)
 
@@ -75,14 +77,14 @@ def plan_prefetch(num_layers: int, layer_bytes: int, cpu_offload_gb: float,
 
 def decoder_layer_bytes(hf_text_config, dtype_bytes: int) -> int:
     """One dense decoder layer's parameter bytes from a Llama/Qwen-style config: attention
-    (q, k, v with their biases when the config has them, o), the gated MLP, two norms."""
+    (q, k, v with their biases when the config has them: `architectures.has_qkv_bias`, o), the
+    gated MLP, two norms."""
     h = hf_text_config.hidden_size
     heads = hf_text_config.num_attention_heads
     kv_heads = getattr(hf_text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_text_config, "head_dim", None) or h // heads
     qkv_out = (heads + 2 * kv_heads) * head_dim
-    bias = qkv_out if getattr(hf_text_config, "attention_bias", False) or \
-        hf_text_config.model_type == "qwen2" else 0
+    bias = qkv_out if has_qkv_bias(hf_text_config) else 0
     params = h * qkv_out + bias + heads * head_dim * h \
         + 3 * h * hf_text_config.intermediate_size + 2 * h
     return params * dtype_bytes

@@ -36,6 +36,7 @@ class SubSpecRunner:
         from vllm.platforms import current_platform
 
         from vllm_subspec.vllm_hooks.engine_rules import check_final_config
+        from vllm_subspec.vllm_hooks.head_start_stream import HeadStartStream
         from vllm_subspec.vllm_hooks.prefetch_overlap import OverlappingPrefetchOffloader
         from vllm_subspec.vllm_hooks.proposer import SubSpecProposer
         from vllm_subspec.vllm_hooks.verifier import SampleMatchVerifier
@@ -50,8 +51,13 @@ class SubSpecRunner:
             set_offloader(overlapping)
         self.session = StepSession.from_options(
             options, share=tensor_parallel_decisions(vllm_config.parallel_config))
-        self.drafter = SubSpecProposer(vllm_config, device, self, self.session, overlapping)
-        self.rejection_sampler = SampleMatchVerifier(self, self.session, self.drafter)
+        # the head starts' stream: the drafter drafts on it, the verifier's walk waits for it
+        self.head_stream = HeadStartStream(device)
+        self.drafter = SubSpecProposer(vllm_config, device, self, self.session, overlapping,
+                                       self.head_stream)
+        self.rejection_sampler = SampleMatchVerifier(
+            self, self.session, kv_caches=self.drafter.kv_caches, head_stream=self.head_stream,
+            lm_head_logits=lambda hidden, head: self.drafter.model.compute_logits(hidden, head))
         self._verify_cad = None  # this step's drafter metadata, until its forward is queued
 
     # ---- 2. loading (the worker's `load_model`) ------------------------------------------
@@ -60,7 +66,7 @@ class SubSpecRunner:
         calls `self.drafter.load_model(target)`."""
         token = _LOADING.set(self)
         try:
-            super().load_model(*args, **kwargs)
+            super().load_model(*args, **kwargs)  # type: ignore[misc]  # (a mixin)
         finally:
             _LOADING.reset(token)
 
@@ -122,7 +128,8 @@ class SubSpecRunner:
         engine drafts whenever there is a batch; a chain keeps vLLM's whole-batch rule (its
         passes past the limit would rely on vLLM's clamped positions)."""
         if not self.session.options.is_tree:
-            return super()._input_fits_in_drafter(common_attn_metadata)
+            return super()._input_fits_in_drafter(  # type: ignore[misc]  # (a mixin)
+                common_attn_metadata)
         return common_attn_metadata is not None
 
 

@@ -17,7 +17,8 @@ profiler) is FREE_BYTES large.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 FREE_BYTES = 128 * 1024  # frames above the entry's before an edge (~500 typical frames)
 _SLOT_BYTES = 8  # a frame slot: one PyObject pointer

@@ -18,13 +18,23 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm_subspec.step.paged_kv import PagedKv, copy_kv
 from vllm_subspec.step.session import StepSession, VerifyRequest
 from vllm_subspec.step.transfer import to_device
+from vllm_subspec.vllm_hooks.head_start_stream import HeadStartStream
 
 
 class SampleMatchVerifier:
-    def __init__(self, runner, session: StepSession, drafter):
+    def __init__(self, runner, session: StepSession,
+                 kv_caches: Callable[[], list[tuple[object, torch.Tensor, str | None]]],
+                 head_stream: HeadStartStream,
+                 lm_head_logits: Callable[[torch.Tensor, str | None], torch.Tensor]):
+        """From the runner (`SubSpecRunner`): kv_caches: () -> (attention impl, KV cache, CPU
+        attention ISA) of every decoder layer, once the model is loaded; head_stream: where
+        head starts draft (the walk waits for them); lm_head_logits: (hidden, lm_head) -> the
+        draft's logits through that lm_head (a compared step's ranks)."""
         self.runner = runner
         self.session = session
-        self.drafter = drafter  # its KV caches (after load) and its lm_heads
+        self.kv_caches = kv_caches
+        self.head_stream = head_stream
+        self.lm_head_logits = lm_head_logits
         self._no_draft: dict[int, SpecDecodeMetadata] = {}  # batch size -> vLLM's metadata
 
     def no_draft_metadata(self, num_draft_tokens: np.ndarray,
@@ -79,7 +89,7 @@ class SampleMatchVerifier:
         copies = self.session.head_start_copies()
         if len(copies.src):  # before the verify overwrites the branches' slots
             copy_kv(copies.requests, copies.src, copies.dst, self._paged_kv())
-            self.drafter.head_stream.inputs_copied()
+            self.head_stream.inputs_copied()
 
     def _paged_kv(self) -> PagedKv:
         """The step's KV: the runner's table holds KV-manager blocks of its own block size,
@@ -87,7 +97,7 @@ class SampleMatchVerifier:
         table's."""
         batch = self.runner.input_batch
         table = batch.block_table[0]
-        return PagedKv(self.drafter.kv_caches(), table.get_device_tensor(batch.num_reqs),
+        return PagedKv(self.kv_caches(), table.get_device_tensor(batch.num_reqs),
                        table.block_size)
 
     def verify_forward(self):
@@ -107,9 +117,9 @@ class SampleMatchVerifier:
                                             self.runner.sampler.topk_topp_sampler,
                                             self._paged_kv,
                                             # before the walk reads the head starts' drafts
-                                            self.drafter.head_stream.join,
+                                            self.head_stream.join,
                                             self.runner.max_num_reqs,
-                                            self.drafter.model.compute_logits)
+                                            self.lm_head_logits)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, walk.drawn_at, walk.tokens,

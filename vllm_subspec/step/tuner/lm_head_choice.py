@@ -1,7 +1,8 @@
 """Which of the draft's two lm_heads drafts: the target's own, or the draft's quantized copy.
 The head whose logits were timed cheaper at load drafts first (`observe_cost`); acceptance is
-compared in pairs on the same target draws (`LmHeadComparison`), and the shape tuner switches
-heads when the other is predicted faster by a margin (`ShapeTuner._choose`).
+compared in pairs on the same target draws (`LmHeadComparison`; the ranks are taken along a
+compared step's accepted paths, `LmHeadChoice.observe_paths`), and the shape tuner switches
+heads when the other is predicted faster by a margin (`choice.ShapeChoice.best_drafting`).
 
 Design: docs/shape_tuner.md, "The draft's lm_head".
 """
@@ -9,8 +10,12 @@ Design: docs/shape_tuner.md, "The draft's lm_head".
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from vllm_subspec.step.linear_cost import LinearCost
+import torch
+
+from vllm_subspec.step.tree import StoredTree
+from vllm_subspec.step.tuner.linear_cost import LinearCost
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
@@ -18,6 +23,9 @@ COMPARE_UNTIL = 64  # paired observations (decayed) compared at every drafting s
 COMPARE_EVERY = 8  # ... then at one drafting step in this many
 COMPARED_REQUESTS = 4  # the first requests of a compared step score both heads (memory bound)
 HEAD_DECAY = 0.995  # per paired observation (several per step): the last ~200 nodes
+
+# (hidden states [rows, H], lm_head) -> [rows, V]: the draft's logits through that lm_head
+LmHeadLogits = Callable[[torch.Tensor, str], torch.Tensor]
 
 
 class LmHeadComparison:
@@ -96,6 +104,29 @@ class LmHeadChoice:
     def observe_ranks(self, ranks: dict[str, int | None]) -> None:
         self.compared.add(ranks)
 
+    def observe_paths(self, paths: list[tuple[StoredTree, list[int], torch.Tensor]],
+                      max_rows: int | None, lm_head_logits: LmHeadLogits) -> None:
+        """Score both lm_heads on the same target draws, paired (`LmHeadComparison`): along
+        each accepted path (tree, its nodes: the root, then the accepted ones, and the
+        target's draws after them), the rank of the target's draw after each node a pass ran
+        from among each head's top tokens there. The drafts along the path are the target's
+        own tokens, so the draft's hidden states there are the same whichever head drafted;
+        only these rows go through the heads (in chunks of max_rows, as the verify draws), not
+        every row of every pass."""
+        rows, draws = _rows_passes_ran_from(paths)
+        if not draws:
+            return
+        top = max(self.compared.widths)
+        chunk = max_rows or len(draws)
+        tops: dict[str, list[list[int]]] = {h: [] for h in self.heads}
+        for start in range(0, len(draws), chunk):
+            for h in self.heads:
+                logits = lm_head_logits(rows[start: start + chunk], h)
+                tops[h].extend(logits.topk(top, dim=-1).indices.tolist())
+        for j, drawn in enumerate(draws):
+            self.observe_ranks({h: t[j].index(drawn) if drawn in t[j] else None
+                                for h, t in tops.items()})
+
     def can_switch(self) -> bool:
         return self.compared.n >= COMPARE_UNTIL / 2
 
@@ -121,3 +152,18 @@ class LmHeadChoice:
                     [round(c.rate(self.current, w), 3) for w in c.widths], self.current)
         self.current = head
         self.switches += 1
+
+
+def _rows_passes_ran_from(paths: list[tuple[StoredTree, list[int], torch.Tensor]]
+                          ) -> tuple[torch.Tensor | None, list[int]]:
+    """The hidden states [N, H] of the path nodes a pass ran from (depth < the tree's
+    hidden_depth) and the target's draw after each (None, []: none)."""
+    hidden, draws = [], []
+    for tree, nodes, emitted in paths:
+        depths = tree.depths()
+        ran = [(node, drawn) for node, drawn in zip(nodes, emitted.tolist())
+               if depths[node] < tree.hidden_depth]
+        if ran:  # one gather per tree
+            hidden.append(tree.node_hidden[[node for node, _ in ran]])
+            draws += [drawn for _, drawn in ran]
+    return (torch.cat(hidden) if hidden else None), draws

@@ -1,7 +1,7 @@
 """Never slower than plain: the tokens/s that drafting steps and plain steps actually reach on
 this engine, per batch size, measured as they run. The shape tuner's cost model predicts rates
-from fitted pass costs; this is the measurement it answers to (`ShapeTuner._choose`: where
-both are measured, they decide between drafting and plain decoding).
+from fitted pass costs; this is the measurement it answers to (`ShapeChoice.against_plain`:
+where both are measured, they decide between drafting and plain decoding).
 
 Design: docs/shape_tuner.md, "Measured rates".
 """
@@ -24,7 +24,7 @@ PLAIN_PROBE_EVERY_FAR, FAR_AHEAD = 512, 1.5
 EXPLORE_BUDGET = 0.02
 # ... and the allowance saves up at most this many plain steps' time, so a long plain stretch
 # is not spent at once: a run of n steps loses at most about this + EXPLORE_BUDGET * n steps
-ALLOWANCE_CAP_STEPS = 4.0  # (above shape_tuner.EXPLORE_COST: a capped step stays affordable)
+ALLOWANCE_CAP_STEPS = 4.0  # (above exploration.EXPLORE_COST: a capped step stays affordable)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -38,9 +38,10 @@ class RateGuard:
 
     def __init__(self, decay: float = RATE_DECAY):
         self.decay = decay
-        self.tokens: dict[tuple[bool, int], float] = {}
-        self.seconds: dict[tuple[bool, int], float] = {}
-        self.steps: dict[tuple[bool, int], float] = {}
+        # (drafted, or "explore"; batch bucket) -> decayed sums
+        self.tokens: dict[tuple[bool | str, int], float] = {}
+        self.seconds: dict[tuple[bool | str, int], float] = {}
+        self.steps: dict[tuple[bool | str, int], float] = {}
         # per batch bucket: every step's seconds, and the seconds drafting steps took beyond
         # what plain's measured rate needs for their tokens (negative: gained), undecayed (for
         # diagnostics: the allowance is `balance`)
@@ -59,7 +60,7 @@ class RateGuard:
         plain = self.rate(False, batch_size)
         lost = seconds - tokens / plain if drafted and plain else 0.0
         self.lost[bucket] = self.lost.get(bucket, 0.0) + lost
-        key = ("explore" if exploring else drafted, bucket)
+        key: tuple[bool | str, int] = ("explore" if exploring else drafted, bucket)
         d = self.decay
         self.tokens[key] = d * self.tokens.get(key, 0.0) + tokens
         self.seconds[key] = d * self.seconds.get(key, 0.0) + seconds
@@ -103,7 +104,7 @@ class RateGuard:
         x plain's rate (over CLEAR_LOSS_STEPS of them at least): exploring more widths would
         only cost more."""
         plain = self.rate(False, batch_size)
-        key = ("explore", batch_bucket(batch_size))
+        key: tuple[bool | str, int] = ("explore", batch_bucket(batch_size))
         return plain is not None and self.steps.get(key, 0.0) >= CLEAR_LOSS_STEPS and \
             self.tokens[key] / self.seconds[key] < CLEAR_LOSS * plain
 
