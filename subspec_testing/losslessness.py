@@ -48,9 +48,12 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None
 
 
-def rescore_differences(fp32_llm, prompt_token_ids: list[list[int]],
-                        spec_ids: list[list[int]], plain_ids: list[list[int]]
-                        ) -> list[Divergence]:
+def rescore_differences(
+    fp32_llm,
+    prompt_token_ids: list[list[int]],
+    spec_ids: list[list[int]],
+    plain_ids: list[list[int]],
+) -> list[Divergence]:
     """One Divergence per prompt whose outputs differ (a length-only difference counts as none:
     it comes from a stop condition after a difference, or there is none to score).
 
@@ -58,12 +61,16 @@ def rescore_differences(fp32_llm, prompt_token_ids: list[list[int]],
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    todo = [(i, pos) for i, (s, p) in enumerate(zip(spec_ids, plain_ids))
-            if (pos := first_difference(s, p)) is not None]
+    todo = [
+        (i, pos)
+        for i, (s, p) in enumerate(zip(spec_ids, plain_ids))
+        if (pos := first_difference(s, p)) is not None
+    ]
     if not todo:
         return []
-    prompts = [TokensPrompt(prompt_token_ids=prompt_token_ids[i] + plain_ids[i][:pos])
-               for i, pos in todo]
+    prompts = [
+        TokensPrompt(prompt_token_ids=prompt_token_ids[i] + plain_ids[i][:pos]) for i, pos in todo
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=TOP_LOGPROBS)
     outs = fp32_llm.generate(prompts, params, use_tqdm=False)
     found = []
@@ -72,17 +79,24 @@ def rescore_differences(fp32_llm, prompt_token_ids: list[list[int]],
         best = max(lp.logprob for lp in top.values())
         spec_tok = spec_ids[i][pos]
         lp = top.get(spec_tok)
-        found.append(Divergence(
-            prompt_index=i, position=pos, plain_token=plain_ids[i][pos], spec_token=spec_tok,
-            gap_nats=float("inf") if lp is None else best - lp.logprob,
-            spec_rank=TOP_LOGPROBS + 1 if lp is None else int(lp.rank)))
+        found.append(
+            Divergence(
+                prompt_index=i,
+                position=pos,
+                plain_token=plain_ids[i][pos],
+                spec_token=spec_tok,
+                gap_nats=float("inf") if lp is None else best - lp.logprob,
+                spec_rank=TOP_LOGPROBS + 1 if lp is None else int(lp.rank),
+            )
+        )
     return found
 
 
 def assert_lossless(spec_ids, plain_ids, dtype: str, fp32_llm=None, prompt_token_ids=None):
     """fp32: identical. bf16/fp16: every difference is a proven near-tie (needs fp32_llm)."""
-    differing = [i for i, (s, p) in enumerate(zip(spec_ids, plain_ids))
-                 if first_difference(s, p) is not None]
+    differing = [
+        i for i, (s, p) in enumerate(zip(spec_ids, plain_ids)) if first_difference(s, p) is not None
+    ]
     if dtype in ("float32", "fp32"):
         assert not differing, f"fp32 outputs differ from plain for prompts {differing}"
         return []

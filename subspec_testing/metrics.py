@@ -39,8 +39,10 @@ class AcceptanceStats:
             self.num_drafts + sign * other.num_drafts,
             self.num_draft_tokens + sign * other.num_draft_tokens,
             self.num_accepted_tokens + sign * other.num_accepted_tokens,
-            [a + sign * b for a, b in zip(pad(self.accepted_per_position),
-                                          pad(other.accepted_per_position))],
+            [
+                a + sign * b
+                for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))
+            ],
         )
 
 

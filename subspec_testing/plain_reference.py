@@ -52,9 +52,17 @@ def _model_id(model: str) -> str:
 
 def run_key(model: str, engine_kwargs: dict, run: PlainRun) -> str:
     params = run.params if isinstance(run.params, list) else [run.params]
-    blob = json.dumps({"model": _model_id(model), "engine": sorted(engine_kwargs.items()),
-                       "prompts": run.prompts, "params": [repr(p) for p in params],
-                       **_versions()}, sort_keys=True, default=repr)
+    blob = json.dumps(
+        {
+            "model": _model_id(model),
+            "engine": sorted(engine_kwargs.items()),
+            "prompts": run.prompts,
+            "params": [repr(p) for p in params],
+            **_versions(),
+        },
+        sort_keys=True,
+        default=repr,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -89,8 +97,7 @@ class PlainReferences:
         engine = {**self.engine_defaults, **engine_kwargs}
         keys = {name: run_key(model, engine, run) for name, run in runs.items()}
         found = {name: self._load(key) for name, key in keys.items()}
-        missing = [name for name, value in found.items()
-                   if value is None or "details" not in value]
+        missing = [name for name, value in found.items() if value is None or "details" not in value]
         if missing:
             from subspec_testing.harness import shutdown_engine
 
@@ -102,15 +109,21 @@ class PlainReferences:
                 blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
                 for name in missing:
                     outs = llm.generate(runs[name].prompts, runs[name].params, use_tqdm=False)
-                    found[name] = {"token_ids": [list(o.outputs[0].token_ids) for o in outs],
-                                   "texts": [o.outputs[0].text for o in outs],
-                                   "details": [output_details(o) for o in outs],
-                                   "kv_blocks": blocks}
+                    found[name] = {
+                        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                        "texts": [o.outputs[0].text for o in outs],
+                        "details": [output_details(o) for o in outs],
+                        "kv_blocks": blocks,
+                    }
                     self._store(keys[name], found[name])
             finally:
                 shutdown_engine(llm)
-        return {name: PlainResult(v["token_ids"], v["texts"], 0.0, AcceptanceStats(),
-                                  v["kv_blocks"], v["details"]) for name, v in found.items()}
+        return {
+            name: PlainResult(
+                v["token_ids"], v["texts"], 0.0, AcceptanceStats(), v["kv_blocks"], v["details"]
+            )
+            for name, v in found.items()
+        }
 
 
 @dataclass
@@ -128,11 +141,15 @@ def output_details(output) -> dict:
     completion (n > 1), each one's logprobs and the prompt's logprobs ([token, logprob] pairs
     per position; None where not requested)."""
     prompt = output.prompt_logprobs
-    return {"completions": [list(c.token_ids) for c in output.outputs],
-            "logprobs": [None if c.logprobs is None else [_ranked(p) for p in c.logprobs]
-                         for c in output.outputs],
-            "prompt_logprobs": None if prompt is None else
-            [None if p is None else _ranked(p) for p in prompt]}
+    return {
+        "completions": [list(c.token_ids) for c in output.outputs],
+        "logprobs": [
+            None if c.logprobs is None else [_ranked(p) for p in c.logprobs] for c in output.outputs
+        ],
+        "prompt_logprobs": None
+        if prompt is None
+        else [None if p is None else _ranked(p) for p in prompt],
+    }
 
 
 def default_root() -> Path | None:

@@ -63,9 +63,13 @@ def node_paths(tree: StoredTree, n: int) -> list[list[int]]:
     return out
 
 
-def move_kv(kv_caches: list[tuple[object, torch.Tensor, str | None]],
-            block_table_row: torch.Tensor, table_block_size: int, src_logical: torch.Tensor,
-            dst_logical: torch.Tensor) -> None:
+def move_kv(
+    kv_caches: list[tuple[object, torch.Tensor, str | None]],
+    block_table_row: torch.Tensor,
+    table_block_size: int,
+    src_logical: torch.Tensor,
+    dst_logical: torch.Tensor,
+) -> None:
     """Move K/V between logical positions of one request, in every layer (KV compaction).
 
     kv_caches: (attention impl, per-layer cache, CPU attention ISA or None) per layer. Layers
@@ -88,8 +92,9 @@ def move_kv(kv_caches: list[tuple[object, torch.Tensor, str | None]],
         layout_for(impl, kv, isa).move(src, dst)
 
 
-def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
-                        scale: float) -> torch.Tensor:
+def tree_attention_rows(
+    query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows, scale: float
+) -> torch.Tensor:
     """Attention output [q_len, heads, head_dim] for one request's tree rows (`block_table`:
     its row), through the kernel `apply_tree_attention` would pick for that layout.
 
@@ -101,29 +106,55 @@ def tree_attention_rows(query: torch.Tensor, layout, block_table: torch.Tensor, 
     """
     ta = tree_attention
     if ta.uses_cpu_kernel(layout, query):
-        return ta._cpu_kernel_rows(query, layout, ta.cpu_scratch(
-            layout, block_table[None], [rows], query.shape[1], query.dtype), scale)
+        return ta._cpu_kernel_rows(
+            query,
+            layout,
+            ta.cpu_scratch(layout, block_table[None], [rows], query.shape[1], query.dtype),
+            scale,
+        )
     if isinstance(layout, FlashAttentionLayout):
         from vllm_subspec.step.tree_attention_triton import tree_rows_layout
 
         one = TreeRows(0, 0, rows.prefix_len, rows.tree_mask)
-        out = torch.empty(rows.tree_mask.shape[0], *query.shape[1:], dtype=query.dtype,
-                          device=query.device)
-        ta._triton_rows(out, query[rows.q_start: rows.q_start + out.shape[0]], layout,
-                        block_table[None], tree_rows_layout(
-                            [one], query.device, query.shape[1] // layout.kv_heads,
-                            layout.kv_heads, block_table.shape[-1] * layout.block_size), scale)
+        out = torch.empty(
+            rows.tree_mask.shape[0], *query.shape[1:], dtype=query.dtype, device=query.device
+        )
+        ta._triton_rows(
+            out,
+            query[rows.q_start : rows.q_start + out.shape[0]],
+            layout,
+            block_table[None],
+            tree_rows_layout(
+                [one],
+                query.device,
+                query.shape[1] // layout.kv_heads,
+                layout.kv_heads,
+                block_table.shape[-1] * layout.block_size,
+            ),
+            scale,
+        )
         return out
     return ta._torch_rows(query, layout, block_table, rows, scale)
 
 
-def substitute_experts_from_quantized(runner: torch.nn.Module, w13: list[QuantizedWeight],
-                                      w2: list[QuantizedWeight], dtype: torch.dtype,
-                                      device: torch.device, kernel: str = "auto",
-                                      source_name: str = "") -> SubstituteExperts:
+def substitute_experts_from_quantized(
+    runner: torch.nn.Module,
+    w13: list[QuantizedWeight],
+    w2: list[QuantizedWeight],
+    dtype: torch.dtype,
+    device: torch.device,
+    kernel: str = "auto",
+    source_name: str = "",
+) -> SubstituteExperts:
     """A layer's `SubstituteExperts` from every expert's quantized fused gate/up (`w13`) and
     down (`w2`) weights, in expert order, packed for the kernel `expert_kernel` picks."""
     chosen = expert_kernel(w13[0], w2[0], device, kernel)
-    return SubstituteExperts(runner, [expert_tensors(chosen, q, dtype) for q in w13],
-                             [expert_tensors(chosen, q, dtype) for q in w2], chosen,
-                             w13[0].group_size, w13[0].bits, source_name)
+    return SubstituteExperts(
+        runner,
+        [expert_tensors(chosen, q, dtype) for q in w13],
+        [expert_tensors(chosen, q, dtype) for q in w2],
+        chosen,
+        w13[0].group_size,
+        w13[0].bits,
+        source_name,
+    )

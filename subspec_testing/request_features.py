@@ -17,9 +17,11 @@ from subspec_testing.plain_reference import PlainRun, output_details
 
 MAX_TOKENS = 32
 SAMPLED = dict(temperature=0.8, top_p=0.95)
-PERSON = {"type": "object", "properties": {"name": {"type": "string"},
-                                             "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 @dataclass(frozen=True)
@@ -43,43 +45,97 @@ def cases(tokenizer) -> list[Case]:
 
     digits = sorted({t for d in "0123456789" for t in ids(f" {d}") + ids(d)} | set(ids(",")))
     return [
-        Case("min_tokens", "Say hi.", {"min_tokens": MAX_TOKENS},
-             seeded_question="Answer with one word: is fire hot?"),
-        Case("bad_words", "Write one sentence about a cat and a dog.",
-             {"bad_words": [" cat", " dog", " the"]}),
+        Case(
+            "min_tokens",
+            "Say hi.",
+            {"min_tokens": MAX_TOKENS},
+            seeded_question="Answer with one word: is fire hot?",
+        ),
+        Case(
+            "bad_words",
+            "Write one sentence about a cat and a dog.",
+            {"bad_words": [" cat", " dog", " the"]},
+        ),
         Case("stop", "Name three fruits and say why each is healthy.", {"stop": ["."]}),
-        Case("stop_token_ids", "Name three primary colors.",
-             {"stop_token_ids": [ids(t)[0] for t in (",", ".", " and")]}),
-        Case("ignore_eos", "Say hi.", {"ignore_eos": True},
-             seeded_question="Answer with one word: is ice cold?"),
-        Case("allowed_token_ids", "What year did the first person walk on the moon?",
-             {"allowed_token_ids": digits}),
-        Case("penalties", "List ten animals.",
-             {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3}),
-        Case("n", "Give me a name for a pet fish.", {"n": 2}, changes_tokens=False,
-             greedy=False),
-        Case("logprobs", "Name three colors of the rainbow.", {"logprobs": 3},
-             changes_tokens=False),
-        Case("prompt_logprobs", "What is the capital of France?", {"prompt_logprobs": 2},
-             changes_tokens=False),
-        Case("json", "Describe a person.",
-             {"structured_outputs": SO(json=PERSON)}),
-        Case("regex", "What is 6 times 7?",
-             {"structured_outputs": SO(regex=r"The answer is [0-9]+\.")}),
-        Case("choice", "Is the sky blue?",
-             {"structured_outputs": SO(choice=["Definitely", "Never", "Sometimes"])}),
-        Case("grammar", "What is your favourite color?",
-             {"structured_outputs": SO(grammar='root ::= "Color: " ("red" | "green" | '
-                                                '"blue") ". Because " [a-z ]+ "."')}),
-        Case("structural_tag", "Name a big city.",
-             {"structured_outputs": SO(structural_tag=json.dumps({
-                 "type": "structural_tag",
-                 "format": {"type": "sequence", "elements": [
-                     {"type": "const_string", "value": "<city>"},
-                     {"type": "json_schema", "json_schema": {
-                         "type": "object", "properties": {"city": {"type": "string"}},
-                         "required": ["city"]}},
-                     {"type": "const_string", "value": "</city>"}]}}))}),
+        Case(
+            "stop_token_ids",
+            "Name three primary colors.",
+            {"stop_token_ids": [ids(t)[0] for t in (",", ".", " and")]},
+        ),
+        Case(
+            "ignore_eos",
+            "Say hi.",
+            {"ignore_eos": True},
+            seeded_question="Answer with one word: is ice cold?",
+        ),
+        Case(
+            "allowed_token_ids",
+            "What year did the first person walk on the moon?",
+            {"allowed_token_ids": digits},
+        ),
+        Case(
+            "penalties",
+            "List ten animals.",
+            {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3},
+        ),
+        Case("n", "Give me a name for a pet fish.", {"n": 2}, changes_tokens=False, greedy=False),
+        Case(
+            "logprobs", "Name three colors of the rainbow.", {"logprobs": 3}, changes_tokens=False
+        ),
+        Case(
+            "prompt_logprobs",
+            "What is the capital of France?",
+            {"prompt_logprobs": 2},
+            changes_tokens=False,
+        ),
+        Case("json", "Describe a person.", {"structured_outputs": SO(json=PERSON)}),
+        Case(
+            "regex",
+            "What is 6 times 7?",
+            {"structured_outputs": SO(regex=r"The answer is [0-9]+\.")},
+        ),
+        Case(
+            "choice",
+            "Is the sky blue?",
+            {"structured_outputs": SO(choice=["Definitely", "Never", "Sometimes"])},
+        ),
+        Case(
+            "grammar",
+            "What is your favourite color?",
+            {
+                "structured_outputs": SO(
+                    grammar='root ::= "Color: " ("red" | "green" | "blue") ". Because " [a-z ]+ "."'
+                )
+            },
+        ),
+        Case(
+            "structural_tag",
+            "Name a big city.",
+            {
+                "structured_outputs": SO(
+                    structural_tag=json.dumps(
+                        {
+                            "type": "structural_tag",
+                            "format": {
+                                "type": "sequence",
+                                "elements": [
+                                    {"type": "const_string", "value": "<city>"},
+                                    {
+                                        "type": "json_schema",
+                                        "json_schema": {
+                                            "type": "object",
+                                            "properties": {"city": {"type": "string"}},
+                                            "required": ["city"],
+                                        },
+                                    },
+                                    {"type": "const_string", "value": "</city>"},
+                                ],
+                            },
+                        }
+                    )
+                )
+            },
+        ),
     ]
 
 
@@ -87,8 +143,7 @@ def params(case: Case, sampled: bool, index: int, bound: bool = True):
     from vllm import SamplingParams
 
     mode = dict(SAMPLED, seed=1000 + index) if sampled else dict(temperature=0.0)
-    return SamplingParams(max_tokens=MAX_TOKENS, **mode,
-                          **(case.feature if bound else {}))
+    return SamplingParams(max_tokens=MAX_TOKENS, **mode, **(case.feature if bound else {}))
 
 
 def matrix(all_cases: list[Case]) -> list[tuple[Case, bool]]:
@@ -109,15 +164,19 @@ def matrix_runs(prompts: list[str], all_cases: list[Case]) -> dict[str, PlainRun
     """The plain runs of the matrix: 'bound' (each request with its feature) and 'unbound'.
     prompts: the chat prompts of `questions(all_cases)`."""
     rows = matrix(all_cases)
-    return {name: PlainRun(list(prompts), [params(c, s, i, bound=name == "bound")
-                                           for i, (c, s) in enumerate(rows)])
-            for name in ("bound", "unbound")}
+    return {
+        name: PlainRun(
+            list(prompts), [params(c, s, i, bound=name == "bound") for i, (c, s) in enumerate(rows)]
+        )
+        for name in ("bound", "unbound")
+    }
 
 
 def assert_features_bind(all_cases: list[Case], bound, unbound) -> None:
     """Each feature changes plain's output (or adds its completions / logprobs)."""
-    for label, (case, _), b, u, detail in zip(labels(all_cases), matrix(all_cases),
-                                              bound.token_ids, unbound.token_ids, bound.details):
+    for label, (case, _), b, u, detail in zip(
+        labels(all_cases), matrix(all_cases), bound.token_ids, unbound.token_ids, bound.details
+    ):
         if case.changes_tokens:
             assert b != u, f"{label}: the feature does not change plain decoding's output"
         elif case.name == "n":
@@ -136,15 +195,18 @@ def assert_matrix_identical(outputs, all_cases: list[Case], plain) -> list[str]:
     for label, out, ref in zip(labels(all_cases), outputs, plain.details):
         got = output_details(out)
         assert got["completions"] == ref["completions"], f"{label}: tokens differ from plain"
-        for mine, theirs in ((got["logprobs"], ref["logprobs"]),
-                             ([got["prompt_logprobs"]], [ref["prompt_logprobs"]])):
+        for mine, theirs in (
+            (got["logprobs"], ref["logprobs"]),
+            ([got["prompt_logprobs"]], [ref["prompt_logprobs"]]),
+        ):
             for a, b in zip(mine, theirs):
                 assert (a is None) == (b is None), label
                 for pa, pb in zip(a or [], b or []):
                     assert (pa is None) == (pb is None), label
                     assert [t for t, _ in pa or []] == [t for t, _ in pb or []], label
-                    assert all(abs(x - y) < 1e-3 for (_, x), (_, y) in zip(pa or [], pb or [])), \
+                    assert all(abs(x - y) < 1e-3 for (_, x), (_, y) in zip(pa or [], pb or [])), (
                         f"{label}: logprobs differ"
+                    )
         checked.append(label)
     return checked
 

@@ -54,14 +54,38 @@ def free_port(candidates: Iterable[int] | None = None) -> int:
         return s.getsockname()[1]
 
 
-def serve_command(model: str, port: int, spec: dict | None = None, *, max_model_len: int,
-                  kv_cache_bytes: int, dtype: str = "float32", seed: int = 0,
-                  eager: bool = True, extra_args: Iterable[str] = ()) -> list[str]:
+def serve_command(
+    model: str,
+    port: int,
+    spec: dict | None = None,
+    *,
+    max_model_len: int,
+    kv_cache_bytes: int,
+    dtype: str = "float32",
+    seed: int = 0,
+    eager: bool = True,
+    extra_args: Iterable[str] = (),
+) -> list[str]:
     """eager=False: vLLM's default mode, as `vllm serve` users run it (on the CPU backend, the
     model compiled with inductor and a profiling run at start-up)."""
-    cmd = [shutil.which("vllm") or "vllm", "serve", model, "--host", HOST, "--port", str(port),
-           *(["--enforce-eager"] if eager else []), "--dtype", dtype, "--seed", str(seed),
-           "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    cmd = [
+        shutil.which("vllm") or "vllm",
+        "serve",
+        model,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        *(["--enforce-eager"] if eager else []),
+        "--dtype",
+        dtype,
+        "--seed",
+        str(seed),
+        "--max-model-len",
+        str(max_model_len),
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+    ]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     return cmd + list(extra_args)
@@ -82,8 +106,7 @@ class Server:
     def async_client(self, **kw):
         from openai import AsyncOpenAI
 
-        return AsyncOpenAI(base_url=self.base + "/v1", api_key="none",
-                           **{"max_retries": 0, **kw})
+        return AsyncOpenAI(base_url=self.base + "/v1", api_key="none", **{"max_retries": 0, **kw})
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -117,8 +140,16 @@ def _server_env(env) -> dict:
     return {k: v for k, v in env.items() if k != METRICS_DIR_ENV}
 
 
-def start_server(name: str, model: str, log: Path, spec: dict | None = None, *,
-                 ports: Iterable[int] | None = None, env: dict | None = None, **settings) -> Server:
+def start_server(
+    name: str,
+    model: str,
+    log: Path,
+    spec: dict | None = None,
+    *,
+    ports: Iterable[int] | None = None,
+    env: dict | None = None,
+    **settings,
+) -> Server:
     """Start `vllm serve`, output to `log`. settings: the keyword arguments of `serve_command`
     (max_model_len and kv_cache_bytes are required). Call from a thread that outlives the
     server (the main thread): the server gets SIGTERM when that thread exits."""
@@ -128,9 +159,13 @@ def start_server(name: str, model: str, log: Path, spec: dict | None = None, *,
     with open(log, "w") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env=_server_env(os.environ if env is None else env),
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_server_env(os.environ if env is None else env),
+            preexec_fn=_die_with_parent,
+        )
     return Server(name, proc, f"http://{HOST}:{port}", log)
 
 
@@ -138,13 +173,16 @@ def wait_healthy(server: Server, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not server.alive():
-            raise ServerStartError(f"{server.name} server exited with {server.proc.returncode}:\n"
-                                   + server.log_text()[-4000:])
+            raise ServerStartError(
+                f"{server.name} server exited with {server.proc.returncode}:\n"
+                + server.log_text()[-4000:]
+            )
         if server.healthy(timeout=2):
             return
         time.sleep(2)
-    raise ServerStartError(f"{server.name} server did not come up in {timeout:.0f} s:\n"
-                           + server.log_text()[-4000:])
+    raise ServerStartError(
+        f"{server.name} server did not come up in {timeout:.0f} s:\n" + server.log_text()[-4000:]
+    )
 
 
 def stop_server(server: Server, timeout: float = 30) -> None:
@@ -173,9 +211,15 @@ def stop_server(server: Server, timeout: float = 30) -> None:
 
 
 @contextmanager
-def serving(model: str, specs: dict[str, dict | None], log_dir: Path, *,
-            start_timeout: float = 600, ports: Iterable[int] | None = None,
-            **settings) -> Iterator[dict[str, Server]]:
+def serving(
+    model: str,
+    specs: dict[str, dict | None],
+    log_dir: Path,
+    *,
+    start_timeout: float = 600,
+    ports: Iterable[int] | None = None,
+    **settings,
+) -> Iterator[dict[str, Server]]:
     """One server per entry of `specs` (name -> speculative config or None for plain), started
     in parallel, logs in `log_dir/<name>.log`; every server is stopped on exit, whatever
     happened. ports: preferred ports (tried in order, shared by all servers)."""
@@ -186,8 +230,14 @@ def serving(model: str, specs: dict[str, dict | None], log_dir: Path, *,
     try:
         for name, spec in specs.items():
             taken = {int(s.base.rsplit(":", 1)[1]) for s in servers.values()}
-            servers[name] = start_server(name, model, log_dir / f"{name}.log", spec,
-                                         ports=[p for p in ports if p not in taken], **settings)
+            servers[name] = start_server(
+                name,
+                model,
+                log_dir / f"{name}.log",
+                spec,
+                ports=[p for p in ports if p not in taken],
+                **settings,
+            )
         for server in servers.values():
             wait_healthy(server, start_timeout)
         yield servers
@@ -208,8 +258,10 @@ def metric_total(metrics_text: str, name: str, **labels: str) -> float:
     return total
 
 
-_PROBLEM = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|\bCRITICAL\b|"
-                      r"EngineDeadError|EngineCore encountered")
+_PROBLEM = re.compile(
+    r"Traceback \(most recent call last\)|\bERROR\b|\bCRITICAL\b|"
+    r"EngineDeadError|EngineCore encountered"
+)
 
 
 def log_problems(log_text: str) -> list[str]:

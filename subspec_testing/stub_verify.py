@@ -20,18 +20,25 @@ def sampling(batch: int, output_len: int, vocab: int, penalties: bool = True):
     from vllm.v1.sample.metadata import SamplingMetadata
 
     g = torch.Generator().manual_seed(output_len)
-    outputs = [torch.randint(0, vocab, (output_len,), generator=g).tolist()
-               for _ in range(batch)]
+    outputs = [torch.randint(0, vocab, (output_len,), generator=g).tolist() for _ in range(batch)]
     return SamplingMetadata(
-        temperature=torch.full((batch,), 0.8), all_greedy=False, all_random=True,
-        top_p=torch.full((batch,), 0.9), top_k=None, generators={}, max_num_logprobs=None,
+        temperature=torch.full((batch,), 0.8),
+        all_greedy=False,
+        all_random=True,
+        top_p=torch.full((batch,), 0.9),
+        top_k=None,
+        generators={},
+        max_num_logprobs=None,
         no_penalties=not penalties,
         prompt_token_ids=torch.randint(0, vocab, (batch, 12), generator=g),
         frequency_penalties=torch.full((batch,), 0.2 if penalties else 0.0),
         presence_penalties=torch.full((batch,), 0.1 if penalties else 0.0),
         repetition_penalties=torch.full((batch,), 1.05 if penalties else 1.0),
-        output_token_ids=outputs, allowed_token_ids_mask=None, bad_words_token_ids={},
-        logitsprocs=LogitsProcessors())
+        output_token_ids=outputs,
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )
 
 
 def verify_step(batch: int, vocab: int = 64):
@@ -48,25 +55,35 @@ def verify_step(batch: int, vocab: int = 64):
 
     session = StepSession(SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 3}))
     req_ids = [f"r{i}" for i in range(batch)]
-    session.pending = {r: StoredTree(list(TOKENS), list(PARENTS),
-                                     torch.ones(7, 7, dtype=torch.bool), width=2)
-                       for r in req_ids}
+    session.pending = {
+        r: StoredTree(list(TOKENS), list(PARENTS), torch.ones(7, 7, dtype=torch.bool), width=2)
+        for r in req_ids
+    }
     kv = torch.randn(4 * batch, KV_HEADS, BS, 2 * HEAD_DIM)
     table = torch.arange(4 * batch, dtype=torch.int32).reshape(batch, 4)
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(
-            req_ids=req_ids, num_reqs=batch, num_computed_tokens_cpu=[20] * batch,
-            block_table=[SimpleNamespace(get_device_tensor=lambda n: table[:n],
-                                         block_size=BS)]),
+            req_ids=req_ids,
+            num_reqs=batch,
+            num_computed_tokens_cpu=[20] * batch,
+            block_table=[SimpleNamespace(get_device_tensor=lambda n: table[:n], block_size=BS)],
+        ),
         positions=torch.zeros(7 * batch, dtype=torch.int64),
         query_start_loc=SimpleNamespace(np=[7 * i for i in range(batch + 1)]),
-        sampler=Sampler(), max_num_reqs=7 * max(batch, 8))  # one chunk holds every row
+        sampler=Sampler(),
+        max_num_reqs=7 * max(batch, 8),
+    )  # one chunk holds every row
     impl = object.__new__(CPUAttentionBackendImpl)
     logits = torch.randn(7 * batch, vocab) * 0.01
     for i in range(batch):  # the root draws 6 (node 2), node 2 draws 8 (node 4), then 1
         logits[7 * i, 6] = logits[7 * i + 2, 8] = logits[7 * i + 4, 1] = 50.0
-    verifier = SampleMatchVerifier(runner, session, lambda: [(impl, kv, "vec16")],
-                                   HeadStartStream(torch.device("cpu")), lm_head_logits=None)
+    verifier = SampleMatchVerifier(
+        runner,
+        session,
+        lambda: [(impl, kv, "vec16")],
+        HeadStartStream(torch.device("cpu")),
+        lm_head_logits=None,
+    )
     return verifier, {r: TOKENS[1:] for r in req_ids}, logits
 
 
@@ -86,5 +103,9 @@ def scheduler_output(drafts: dict, prompt_tokens: dict | None = None):
 def run_verify(verifier, scheduled, logits, sampling_metadata):
     """prepare_verify, then the verifier's call, as the runner makes them in one step."""
     verifier.prepare_verify(scheduler_output(scheduled))
-    return verifier(SimpleNamespace(num_draft_tokens=[len(d) for d in scheduled.values()]),
-                    None, logits, sampling_metadata)
+    return verifier(
+        SimpleNamespace(num_draft_tokens=[len(d) for d in scheduled.values()]),
+        None,
+        logits,
+        sampling_metadata,
+    )

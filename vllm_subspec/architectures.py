@@ -59,8 +59,12 @@ class Family:
 
 DENSE = Family(
     name="dense",
-    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                   "Qwen3ForCausalLM"),
+    architectures=(
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    ),
     model_types=("llama", "mistral", "qwen2", "qwen3"),
     qkv_bias_model_types=("qwen2",),
 )
@@ -82,17 +86,18 @@ QWEN_MOE = Family(
     moe_block="mlp",
     shared_expert="shared_expert",
     router_parts=("gate", "shared_expert_gate"),
-    tp_shard_widths=(("down_proj", "intermediate_size"),
-                     ("experts' down_proj", "moe_intermediate_size"),
-                     ("shared_expert.down_proj", "shared_expert_intermediate_size")),
+    tp_shard_widths=(
+        ("down_proj", "intermediate_size"),
+        ("experts' down_proj", "moe_intermediate_size"),
+        ("shared_expert.down_proj", "shared_expert_intermediate_size"),
+    ),
 )
 FAMILIES: tuple[Family, ...] = (DENSE, MIXTRAL, QWEN_MOE)
 
 DENSE_ARCHITECTURES = frozenset(a for f in FAMILIES if not f.moe for a in f.architectures)
 MOE_ARCHITECTURES = frozenset(a for f in FAMILIES if f.moe for a in f.architectures)
 # config keys that mark a checkpoint as mixture-of-experts, whatever its architecture name
-MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts",
-                   "moe_intermediate_size")
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
 def architectures_of(hf_config: Any) -> list[str]:
@@ -133,8 +138,11 @@ def tp_shard_widths(hf_config: Any) -> dict[str, int]:
     heads = getattr(hf_config, "num_attention_heads", 0)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // max(heads, 1)
     family = family_of(hf_config)
-    keys = family.tp_shard_widths if family is not None else \
-        tuple(dict.fromkeys(kw for f in FAMILIES for kw in f.tp_shard_widths))
+    keys = (
+        family.tp_shard_widths
+        if family is not None
+        else tuple(dict.fromkeys(kw for f in FAMILIES for kw in f.tp_shard_widths))
+    )
     widths = {"o_proj": heads * head_dim}
     for name, key in keys:
         widths.setdefault(name, getattr(hf_config, key, 0))
@@ -145,5 +153,7 @@ def has_qkv_bias(hf_text_config: Any) -> bool:
     """Whether the q, k, v projections carry biases (`attention_bias`, or a model type whose
     layers always do: Qwen2)."""
     always = {t for f in FAMILIES for t in f.qkv_bias_model_types}
-    return bool(getattr(hf_text_config, "attention_bias", False)) or \
-        getattr(hf_text_config, "model_type", None) in always
+    return (
+        bool(getattr(hf_text_config, "attention_bias", False))
+        or getattr(hf_text_config, "model_type", None) in always
+    )

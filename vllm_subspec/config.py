@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from vllm_subspec import architectures, refusals
+
 # the option domains and the error live with every other refusal (refusals.py)
 from vllm_subspec.refusals import (  # noqa: F401 (re-exported)
     AUTO,
@@ -126,8 +127,10 @@ class SubSpecOptions:
         """Validate user options (every problem in one message) and resolve the defaults.
         `num_speculative_tokens: D` is the chain shorthand for tree_width 1, tree_depth D."""
         raw = {k.replace("-", "_"): v for k, v in raw.items()}
-        known = ({f.name for f in dataclasses.fields(cls)} - {"auto_width", "auto_depth"}
-                 | {"num_speculative_tokens", "max_tree_depth"})
+        known = {f.name for f in dataclasses.fields(cls)} - {"auto_width", "auto_depth"} | {
+            "num_speculative_tokens",
+            "max_tree_depth",
+        }
         refusals.refuse_unknown_keys(sorted(set(raw) - known), known)
         refusals.refuse_option_values(raw)
         chain = raw.pop("num_speculative_tokens", None)
@@ -142,12 +145,16 @@ class SubSpecOptions:
         raw["tree_width"] = DEFAULT_TREE_WIDTH if raw["auto_width"] else width
         max_depth = raw.pop("max_tree_depth", None)
         if depth in (AUTO, None):
-            depth = ((max_depth or AUTO_MAX_DEPTH[platform]) if raw["auto_depth"]
-                     else DEFAULT_TREE_DEPTH[platform])
+            depth = (
+                (max_depth or AUTO_MAX_DEPTH[platform])
+                if raw["auto_depth"]
+                else DEFAULT_TREE_DEPTH[platform]
+            )
         raw["tree_depth"] = depth
         refusals.refuse_tree_size(raw["tree_width"], raw["tree_depth"])
-        refusals.refuse_head_start_slots(raw.get("head_start_levels", 0), raw["tree_width"],
-                                         raw["tree_depth"])
+        refusals.refuse_head_start_slots(
+            raw.get("head_start_levels", 0), raw["tree_width"], raw["tree_depth"]
+        )
         if isinstance(raw.get("substitute_layers"), list):
             raw["substitute_layers"] = tuple(raw["substitute_layers"])
         if raw.get("substitute_cache") is None:
@@ -156,13 +163,11 @@ class SubSpecOptions:
 
     def resolve_layers(self, num_layers: int, offloaded: list[int]) -> list[int]:
         """The decoder layer indices that get a substitute."""
-        if self.substitute_layers == "all":
-            return list(range(num_layers))
-        if self.substitute_layers == "offloaded":
-            return sorted(offloaded)
-        refusals.refuse_layers_out_of_range(
-            [i for i in self.substitute_layers if i >= num_layers], num_layers)
-        return sorted(self.substitute_layers)
+        layers = self.substitute_layers
+        if isinstance(layers, str):  # "all" or "offloaded" (`from_dict` refuses other names)
+            return list(range(num_layers)) if layers == "all" else sorted(offloaded)
+        refusals.refuse_layers_out_of_range([i for i in layers if i >= num_layers], num_layers)
+        return sorted(layers)
 
 
 def _platform_is_cpu() -> bool:
@@ -177,15 +182,17 @@ def check_target_supported(hf_config: Any, pipeline_parallel_size: int, bits: in
     refusals.refuse_target(hf_config, pipeline_parallel_size, bits, lambda: _platform_is_cpu())
 
 
-def check_tensor_parallel_shards(hf_config: Any, tensor_parallel_size: int,
-                                 group_size: int) -> None:
+def check_tensor_parallel_shards(
+    hf_config: Any, tensor_parallel_size: int, group_size: int
+) -> None:
     """Each rank quantizes its shard of the row-parallel linears in groups of `group_size`
     along their input: the shards' widths must be whole groups (the widths: the target's
     family's, `architectures.tp_shard_widths`)."""
     if tensor_parallel_size == 1:
         return
-    refusals.refuse_tensor_parallel_shards(architectures.tp_shard_widths(hf_config),
-                                           tensor_parallel_size, group_size)
+    refusals.refuse_tensor_parallel_shards(
+        architectures.tp_shard_widths(hf_config), tensor_parallel_size, group_size
+    )
 
 
 def options_from_vllm_config(vllm_config: Any) -> SubSpecOptions | None:

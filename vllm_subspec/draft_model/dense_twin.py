@@ -27,8 +27,9 @@ TIMED_MAX_N = 32768
 
 
 @functools.lru_cache(maxsize=64)
-def dense_crossover(kernel_cls: type, n: int, k: int, group_size: int, dtype: torch.dtype,
-                    max_rows: int) -> int | None:
+def dense_crossover(
+    kernel_cls: type, n: int, k: int, group_size: int, dtype: torch.dtype, max_rows: int
+) -> int | None:
     """The fewest rows from which a dense [n, k] matmul beats the int4 kernel (`kernel_cls`:
     `Int4CpuKernel` or its subclass), up to max_rows (None: not there). Timed once per kernel
     and shape in this process (best of 3 per row count, random weights: the time depends on
@@ -37,10 +38,13 @@ def dense_crossover(kernel_cls: type, n: int, k: int, group_size: int, dtype: to
     import time
 
     n = min(n, TIMED_MAX_N)
-    qw = QuantizedWeight(codes=torch.randint(0, 16, (n, k), dtype=torch.uint8),
-                         scale=torch.rand(n, k // group_size) / 8,
-                         zero=torch.rand(n, k // group_size) * 15, bits=4,
-                         group_size=group_size)
+    qw = QuantizedWeight(
+        codes=torch.randint(0, 16, (n, k), dtype=torch.uint8),
+        scale=torch.rand(n, k // group_size) / 8,
+        zero=torch.rand(n, k // group_size) * 15,
+        bits=4,
+        group_size=group_size,
+    )
     int4 = kernel_cls(qw, dtype)
     dense = qw.dequantize(dtype)
 
@@ -64,15 +68,20 @@ def dense_crossover(kernel_cls: type, n: int, k: int, group_size: int, dtype: to
     return crossover
 
 
-def crossover_rows(rows: list[int], int4_s: list[float], dense_s: list[float],
-                   max_rows: int) -> int | None:
+def crossover_rows(
+    rows: list[int], int4_s: list[float], dense_s: list[float], max_rows: int
+) -> int | None:
     """Where the dense matmul's time line crosses below the int4 kernel's: each kernel's
     seconds fitted as a + b * rows (Theil-Sen: the median of the pairwise slopes, so a few
     timings slowed by the rest of the machine do not move the fit). The first whole row count
     from which dense is predicted faster, or None if that is past max_rows (or never)."""
+
     def fit(ys):
-        slopes = sorted((y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2)
-                        in itertools.combinations(zip(rows, ys), 2) if x2 != x1)
+        slopes = sorted(
+            (y2 - y1) / (x2 - x1)
+            for (x1, y1), (x2, y2) in itertools.combinations(zip(rows, ys), 2)
+            if x2 != x1
+        )
         b = slopes[len(slopes) // 2] if slopes else 0.0
         a = sorted(y - b * x for x, y in zip(rows, ys))[len(ys) // 2]
         return a, b

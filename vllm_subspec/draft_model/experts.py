@@ -9,6 +9,8 @@ Design: docs/moe.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +24,6 @@ from vllm_subspec.draft_model.kernels import (
 from vllm_subspec.draft_model.quantize import QuantizedWeight
 
 
-
 class TritonExpertKernel:
     """CUDA: every routed expert of a pass in two Triton launches (experts_triton.py), from each
     expert's packed 4-bit codes and HQQ's scale and fractional zero in their own dtype."""
@@ -32,8 +33,12 @@ class TritonExpertKernel:
     @staticmethod
     def supports(qw: QuantizedWeight, device: torch.device) -> bool:
         n, k = qw.shape
-        return device.type == "cuda" and qw.bits == 4 and k % qw.group_size == 0 and \
-            qw.group_size in (16, 32, 64, 128, 256)
+        return (
+            device.type == "cuda"
+            and qw.bits == 4
+            and k % qw.group_size == 0
+            and qw.group_size in (16, 32, 64, 128, 256)
+        )
 
     @staticmethod
     def pack(qw: QuantizedWeight) -> list[torch.Tensor]:
@@ -44,8 +49,9 @@ class TritonExpertKernel:
 
 # The kernels routed experts run, by name: their per-expert tensors are stacked per layer, so
 # one operator call runs every expert a pass routes to.
-EXPERT_KERNELS = {k.name: k for k in (Int4DotCpuKernel, Int4CpuKernel, ReferenceKernel,
-                                      TritonExpertKernel)}
+EXPERT_KERNELS = {
+    k.name: k for k in (Int4DotCpuKernel, Int4CpuKernel, ReferenceKernel, TritonExpertKernel)
+}
 
 
 def moe_runner(layer: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
@@ -84,7 +90,7 @@ def checkpoint_part(runner: nn.Module, e: int, which: str) -> torch.Tensor:
         return w2[e, :h, :u]
     if u == p:
         return w13[e, :, :h]
-    return torch.cat([w13[e, :u, :h], w13[e, p: p + u, :h]])
+    return torch.cat([w13[e, :u, :h], w13[e, p : p + u, :h]])
 
 
 class ExpertWeight:
@@ -101,9 +107,16 @@ class ExpertWeight:
         return checkpoint_part(self.runner, self.e, self.which)
 
 
-def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   w13: list[torch.Tensor], w2: list[torch.Tensor], kernel: str,
-                   group_size: int, bits: int) -> torch.Tensor:
+def routed_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    kernel: str,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
     """sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x) with each expert's
     down(silu(gate(x)) * up(x)) run by `kernel` from its stacked tensors (`w13[t][e]`: tensor t
     of expert e). Only the experts some row routes to run, each on its rows."""
@@ -135,21 +148,26 @@ def _out_features(kernel: str, w2: list[torch.Tensor]) -> int:
 def _expert_linear(kernel: str, group_size: int, bits: int):
     """x, one expert's tensors -> x @ W.T in x's dtype."""
     if kernel == "reference":
-        def run(x, tensors):
+
+        def run_dequantized(x, tensors):
             codes, scale, zero = tensors
-            qw = QuantizedWeight(codes=codes, scale=scale, zero=zero, bits=bits,
-                                 group_size=group_size)
+            qw = QuantizedWeight(
+                codes=codes, scale=scale, zero=zero, bits=bits, group_size=group_size
+            )
             return F.linear(x, qw.dequantize(x.dtype))
-        return run
+
+        return run_dequantized
     cls = EXPERT_KERNELS[kernel]
 
     def run(x, tensors):
         packed, meta = tensors
         # the activation dtype the tensors were packed for (`_tensors`): tinygemm's fp16
         # scales take fp16 activations
-        y = cls.linear(x.to(cls.activation_dtype(x.dtype)).contiguous(), packed, meta,
-                       group_size, _NO_TWIN, 0)
+        y = cls.linear(
+            x.to(cls.activation_dtype(x.dtype)).contiguous(), packed, meta, group_size, _NO_TWIN, 0
+        )
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
     return run
 
 
@@ -158,17 +176,25 @@ _NO_TWIN = torch.empty(0)
 
 # An operator opaque to torch.compile, like the linears' (kernels.py): which experts run, and
 # on how many rows each, is decided per call from the routing.
-torch.library.custom_op("vllm_subspec::routed_experts", routed_experts, mutates_args=()) \
-    .register_fake(lambda x, *_: torch.empty_like(x))
+torch.library.custom_op(
+    "vllm_subspec::routed_experts", routed_experts, mutates_args=()
+).register_fake(lambda x, *_: torch.empty_like(x))
 
 
 class SubstituteExperts(nn.Module):
     """Stands in for a sparse MoE block's `MoERunner` inside the draft: same call
     (hidden_states, router_logits) -> the block's output before any all-reduce."""
 
-    def __init__(self, runner: nn.Module, w13: list[list[torch.Tensor]],
-                 w2: list[list[torch.Tensor]], kernel: type, group_size: int, bits: int,
-                 source_name: str = ""):
+    def __init__(
+        self,
+        runner: nn.Module,
+        w13: list[list[torch.Tensor]],
+        w2: list[list[torch.Tensor]],
+        kernel: Any,
+        group_size: int,
+        bits: int,
+        source_name: str = "",
+    ):
         """runner: the target's `MoERunner`; w13, w2: each expert's `expert_tensors` of its
         fused gate/up and down weights, in expert order, for `kernel` (`expert_kernel`)."""
         super().__init__()
@@ -190,16 +216,27 @@ class SubstituteExperts(nn.Module):
         # runner's `MoERunner._maybe_reduce_final_output` does
         self.all_reduce = _reduces_final_output(runner)
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:  # the block passed its hidden states as router_logits
             router_logits, _ = self.gate(hidden_states)
-        topk_weights, topk_ids = self.router.select_experts(hidden_states=hidden_states,
-                                                           router_logits=router_logits)
-        run = torch.ops.vllm_subspec.routed_experts if torch.compiler.is_compiling() \
+        topk_weights, topk_ids = self.router.select_experts(
+            hidden_states=hidden_states, router_logits=router_logits
+        )
+        run = (
+            torch.ops.vllm_subspec.routed_experts
+            if torch.compiler.is_compiling()
             else routed_experts
-        out = run(hidden_states, topk_weights, topk_ids, self.w13, self.w2, self.kernel_name,
-                  self.group_size, self.bits)
+        )
+        out = run(
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            self.w13,
+            self.w2,
+            self.kernel_name,
+            self.group_size,
+            self.bits,
+        )
         if self.routed_scaling_factor != 1.0:
             out = out * self.routed_scaling_factor
         if self.shared_expert is not None:
@@ -227,35 +264,46 @@ def _reduces_final_output(runner: nn.Module) -> bool:
     reduced apart), gives the same sum: the substitutes' routed part is always partial.
     Expert parallelism (its `ep_size`) is refused: engine_rules._refuse_moe_extras."""
     config = getattr(runner, "moe_config", None)
-    return config is not None and getattr(config, "tp_size", 1) > 1 and \
-        not getattr(config, "is_sequence_parallel", False) and \
-        not getattr(config, "skip_final_all_reduce", False)
+    return (
+        config is not None
+        and getattr(config, "tp_size", 1) > 1
+        and not getattr(config, "is_sequence_parallel", False)
+        and not getattr(config, "skip_final_all_reduce", False)
+    )
 
 
-def expert_kernel(w13: QuantizedWeight, w2: QuantizedWeight, device: torch.device,
-                  kernel: str = "auto") -> type:
+def expert_kernel(
+    w13: QuantizedWeight, w2: QuantizedWeight, device: torch.device, kernel: str = "auto"
+) -> type:
     """The kernel class a layer's routed experts run. CUDA: the Triton kernels (whatever
     `kernel` chose for the linears: the others read the routing on the host, which a CUDA graph
     cannot). CPU: `kernel`'s choice where it takes both the fused gate/up and the down weight's
     shapes, else tinygemm where it does, else the reference (dequantize + matmul)."""
     if device.type == "cuda":
-        if not (TritonExpertKernel.supports(w13, device) and
-                TritonExpertKernel.supports(w2, device)):
-            raise ValueError(f"vllm-subspec: routed experts on CUDA run 4-bit weights in groups "
-                             f"dividing their inputs, not {w13.bits}-bit {w13.shape} / "
-                             f"{w2.shape} in groups of {w13.group_size}")
+        if not (
+            TritonExpertKernel.supports(w13, device) and TritonExpertKernel.supports(w2, device)
+        ):
+            raise ValueError(
+                f"vllm-subspec: routed experts on CUDA run 4-bit weights in groups "
+                f"dividing their inputs, not {w13.bits}-bit {w13.shape} / "
+                f"{w2.shape} in groups of {w13.group_size}"
+            )
         return TritonExpertKernel
     if device.type != "cpu":
-        raise ValueError(f"vllm-subspec: routed expert substitutes run on CPU or CUDA, not "
-                         f"{device.type}")
+        raise ValueError(
+            f"vllm-subspec: routed expert substitutes run on CPU or CUDA, not {device.type}"
+        )
     for cls in (choose_kernel(w13, device, kernel), Int4CpuKernel):
-        if cls in EXPERT_KERNELS.values() and cls.supports(w13, device) and \
-                cls.supports(w2, device):
+        if (
+            cls in EXPERT_KERNELS.values()
+            and cls.supports(w13, device)
+            and cls.supports(w2, device)
+        ):
             return cls
     return ReferenceKernel
 
 
-def expert_tensors(cls: type, qw: QuantizedWeight, dtype: torch.dtype) -> list[torch.Tensor]:
+def expert_tensors(cls: Any, qw: QuantizedWeight, dtype: torch.dtype) -> list[torch.Tensor]:
     """One expert weight's tensors for `cls` (packed as its kernel reads them)."""
     if cls is ReferenceKernel:
         return [qw.codes, qw.scale, qw.zero]

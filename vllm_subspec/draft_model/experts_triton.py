@@ -36,8 +36,9 @@ def packs(n: int, k: int, bits: int, group_size: int) -> bool:
     return bits == 4 and group_size in (16, 32, 64, 128, 256) and k % group_size == 0
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs of `topk_ids` [M, top_k] grouped by expert, each expert's padded to a multiple
     of block_m: (pair_ids [capacity]: flat pair indices, M * top_k where padding;
     block_expert [capacity / block_m]: each block's expert, -1 past the last). capacity is the
@@ -65,12 +66,26 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
 
 
 @triton.jit
-def _dequantized(codes_ptr, scale_ptr, zero_ptr, rows, rows_ok, k0, stride_cn, stride_sn,
-                 GROUP: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+def _dequantized(
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    rows,
+    rows_ok,
+    k0,
+    stride_cn,
+    stride_sn,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    dtype: tl.constexpr,
+):
     """[len(rows), BLOCK_K] of (codes - zero) * scale for inputs k0 .. k0 + BLOCK_K."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(codes_ptr + rows[:, None].to(tl.int64) * stride_cn + half[None, :],
-                     mask=rows_ok[:, None], other=0)
+    packed = tl.load(
+        codes_ptr + rows[:, None].to(tl.int64) * stride_cn + half[None, :],
+        mask=rows_ok[:, None],
+        other=0,
+    )
     q = tl.interleave(packed & 0xF, packed >> 4).to(tl.float32)
     g = k0 // GROUP
     scale = tl.load(scale_ptr + rows.to(tl.int64) * stride_sn + g, mask=rows_ok, other=0.0)
@@ -81,11 +96,31 @@ def _dequantized(codes_ptr, scale_ptr, zero_ptr, rows, rows_ok, k0, stride_cn, s
 # num_pairs varies with the rows of a pass: not specialized (Triton compiles apart for values
 # divisible by 16), so an eager pass of a new row count compiles nothing mid-serving
 @triton.jit(do_not_specialize=["num_pairs"])
-def _expert_gemm(a_ptr, out_ptr, codes_ptr, scale_ptr, zero_ptr, pair_ids_ptr,
-                 block_expert_ptr, weights_ptr, num_pairs, N, K, stride_am, stride_om,
-                 stride_ce, stride_cn, stride_se, stride_sn, TOP_K: tl.constexpr,
-                 GATE_UP: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expert_gemm(
+    a_ptr,
+    out_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    pair_ids_ptr,
+    block_expert_ptr,
+    weights_ptr,
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_om,
+    stride_ce,
+    stride_cn,
+    stride_se,
+    stride_sn,
+    TOP_K: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """out[p, n] for the BLOCK_M pairs p of this block (one expert) and BLOCK_N features n.
     GATE_UP: A row = the pair's token (p // TOP_K), the weight holds 2N rows (gate, then up),
     out = silu(A @ gate.T) * (A @ up.T); else A row = p and out = weight_p * (A @ W.T)."""
@@ -105,21 +140,39 @@ def _expert_gemm(a_ptr, out_ptr, codes_ptr, scale_ptr, zero_ptr, pair_ids_ptr,
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + a_row[:, None].to(tl.int64) * stride_am + k[None, :],
-                    mask=pair_ok[:, None], other=0.0)
-        w = _dequantized(codes_ptr, scale_ptr, zero_ptr, n, n_ok, k0, stride_cn, stride_sn,
-                         GROUP, BLOCK_K, dtype)
+        a = tl.load(
+            a_ptr + a_row[:, None].to(tl.int64) * stride_am + k[None, :],
+            mask=pair_ok[:, None],
+            other=0.0,
+        )
+        w = _dequantized(
+            codes_ptr, scale_ptr, zero_ptr, n, n_ok, k0, stride_cn, stride_sn, GROUP, BLOCK_K, dtype
+        )
         acc += tl.dot(a, tl.trans(w))
         if GATE_UP:
-            w = _dequantized(codes_ptr, scale_ptr, zero_ptr, n + N, n_ok, k0, stride_cn,
-                             stride_sn, GROUP, BLOCK_K, dtype)
+            w = _dequantized(
+                codes_ptr,
+                scale_ptr,
+                zero_ptr,
+                n + N,
+                n_ok,
+                k0,
+                stride_cn,
+                stride_sn,
+                GROUP,
+                BLOCK_K,
+                dtype,
+            )
             acc_up += tl.dot(a, tl.trans(w))
     if GATE_UP:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     else:
         acc *= tl.load(weights_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_om + n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])
+    tl.store(
+        out_ptr + pair[:, None].to(tl.int64) * stride_om + n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=pair_ok[:, None] & n_ok[None, :],
+    )
 
 
 def _launch(a, out, weight, pair_ids, block_expert, topk_weights, top_k, gate_up, group_size):
@@ -127,16 +180,42 @@ def _launch(a, out, weight, pair_ids, block_expert, topk_weights, top_k, gate_up
     n = out.shape[1]
     k = a.shape[1]
     grid = (block_expert.shape[0], triton.cdiv(n, BLOCK_N))
-    _expert_gemm[grid](a, out, codes, scale, zero, pair_ids, block_expert, topk_weights,
-                       out.shape[0], n, k, a.stride(0), out.stride(0), codes.stride(0),
-                       codes.stride(1), scale.stride(0), scale.stride(1), TOP_K=top_k,
-                       GATE_UP=gate_up, GROUP=group_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                       BLOCK_K=min(MAX_BLOCK_K, group_size), num_warps=4)
+    _expert_gemm[grid](
+        a,
+        out,
+        codes,
+        scale,
+        zero,
+        pair_ids,
+        block_expert,
+        topk_weights,
+        out.shape[0],
+        n,
+        k,
+        a.stride(0),
+        out.stride(0),
+        codes.stride(0),
+        codes.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        TOP_K=top_k,
+        GATE_UP=gate_up,
+        GROUP=group_size,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=min(MAX_BLOCK_K, group_size),
+        num_warps=4,
+    )
 
 
-def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   w13: list[torch.Tensor], w2: list[torch.Tensor], group_size: int
-                   ) -> torch.Tensor:
+def routed_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    group_size: int,
+) -> torch.Tensor:
     """sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x), expert e computing
     down(silu(gate(x)) * up(x)); w13, w2: the layer's stacked (packed codes [E, N, K/2],
     scale [E, N, G], zero [E, N, G]). In x's dtype (fp16/bf16 activations; fp32 runs in bf16)."""

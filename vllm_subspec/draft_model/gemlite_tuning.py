@@ -57,8 +57,11 @@ def gemlite_autotune_kept(path: Path | None):
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     gemlite.cache_config(str(partial))
     os.replace(partial, path)
-    logger.info("vllm-subspec: GemLite autotuning %s %s", "reused from and kept in" if loaded
-                else "kept in", path)
+    logger.info(
+        "vllm-subspec: GemLite autotuning %s %s",
+        "reused from and kept in" if loaded else "kept in",
+        path,
+    )
 
 
 def gemlite_autotune_file(root: Path, device: torch.device) -> Path:

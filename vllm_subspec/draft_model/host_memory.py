@@ -50,15 +50,23 @@ class HostMemoryPlan:
         return True
 
     def summary(self) -> str:
-        return (f"draft host memory: substitutes {self.substitute_bytes / GiB:.2f} GiB + dense "
-                f"twins {self.twins_bytes / GiB:.2f} GiB = "
-                f"{100 * (self.substitute_bytes + self.twins_bytes) / max(self.target_bytes, 1):.0f}%"
-                f" of the target's {self.target_bytes / GiB:.2f} GiB of weights")
+        share = (self.substitute_bytes + self.twins_bytes) / max(self.target_bytes, 1)
+        return (
+            f"draft host memory: substitutes {self.substitute_bytes / GiB:.2f} GiB + dense "
+            f"twins {self.twins_bytes / GiB:.2f} GiB = {100 * share:.0f}%"
+            f" of the target's {self.target_bytes / GiB:.2f} GiB of weights"
+        )
 
 
-def plan_host_memory(shapes: list[tuple[int, int]], fraction: float, bits: int,
-                     group_size: int, target_bytes: int, kv_room: int | None,
-                     kv_needed: int) -> HostMemoryPlan:
+def plan_host_memory(
+    shapes: list[tuple[int, int]],
+    fraction: float,
+    bits: int,
+    group_size: int,
+    target_bytes: int,
+    kv_room: int | None,
+    kv_needed: int,
+) -> HostMemoryPlan:
     """shapes: [N, K] of every linear to substitute. kv_room: the RAM share vLLM will leave for
     the KV cache if the draft adds nothing (None: unknown, e.g. an explicit KV size);
     kv_needed: the least KV cache an engine can start with (one max_model_len request)."""
@@ -67,8 +75,9 @@ def plan_host_memory(shapes: list[tuple[int, int]], fraction: float, bits: int,
     budget = int(fraction * target_bytes) - subs
     if kv_room is not None:
         budget = min(budget, kv_room - subs - kv_needed)
-    return HostMemoryPlan(target_bytes=target_bytes, substitute_bytes=subs,
-                          twin_budget=max(budget, 0))
+    return HostMemoryPlan(
+        target_bytes=target_bytes, substitute_bytes=subs, twin_budget=max(budget, 0)
+    )
 
 
 def fit_kv_cache(substitutes, kv_room: Callable[[], tuple[int | None, int]]) -> None:
@@ -95,8 +104,11 @@ def vllm_cpu_weight_growth(model: torch.nn.Module) -> int:
     `UnquantizedLinearMethod.process_weights_after_loading`)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if isinstance(m, VocabParallelEmbedding) and m.weight.dim() == 2)
+    return sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.modules()
+        if isinstance(m, VocabParallelEmbedding) and m.weight.dim() == 2
+    )
 
 
 def resident_bytes() -> int:

@@ -34,14 +34,15 @@ class GroupQuantized:
     zero: torch.Tensor  # float32 [G, 1], fractional after the solve
 
 
-def quantize_groups(groups: torch.Tensor, bits: int, optimize: bool,
-                    meta_dtype: torch.dtype) -> GroupQuantized:
+def quantize_groups(
+    groups: torch.Tensor, bits: int, optimize: bool, meta_dtype: torch.dtype
+) -> GroupQuantized:
     """groups: [G, group_size], any float dtype. Scale and zero are rounded through
     `meta_dtype` (HQQLinear's compute dtype), as the substitutes HQQLinear built were."""
     solve_dtype = torch.float16 if groups.is_cuda else torch.float32
     w = groups.float()
     lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    max_v = 2 ** bits - 1
+    max_v = 2**bits - 1
     denom = hi - lo
     inv_scale = max_v / denom
     inv_scale = torch.where(denom.abs() <= 1e-4, torch.full_like(inv_scale, 1.0), inv_scale)
@@ -50,12 +51,15 @@ def quantize_groups(groups: torch.Tensor, bits: int, optimize: bool,
     if bits == 4:  # round_zero, set for 4 bits only
         zero = torch.round(zero)
     if optimize:
-        inv_scale, zero = _solve_zero(w.to(solve_dtype), inv_scale.to(solve_dtype),
-                                      zero.to(solve_dtype), max_v)
+        inv_scale, zero = _solve_zero(
+            w.to(solve_dtype), inv_scale.to(solve_dtype), zero.to(solve_dtype), max_v
+        )
     codes = torch.round(w * inv_scale + zero).clamp_(0, max_v)
-    return GroupQuantized(codes=codes.to(torch.uint8),
-                          scale=(1.0 / inv_scale).to(meta_dtype).float(),
-                          zero=zero.to(meta_dtype).float())
+    return GroupQuantized(
+        codes=codes.to(torch.uint8),
+        scale=(1.0 / inv_scale).to(meta_dtype).float(),
+        zero=zero.to(meta_dtype).float(),
+    )
 
 
 def _solve_zero(w: torch.Tensor, inv_scale: torch.Tensor, zero: torch.Tensor, max_v: int):
@@ -72,8 +76,14 @@ def _solve_zero(w: torch.Tensor, inv_scale: torch.Tensor, zero: torch.Tensor, ma
             bufs = local.bufs = [w.new_empty(rows, group_size) for _ in range(4)]
         for i in indices:
             s, e = chunks[i]
-            errors[i] = _step(w[s:e], inv_scale[s:e], zero_in[s:e], max_v,
-                              [b[: e - s] for b in bufs], zero_out[s:e])
+            errors[i] = _step(
+                w[s:e],
+                inv_scale[s:e],
+                zero_in[s:e],
+                max_v,
+                [b[: e - s] for b in bufs],
+                zero_out[s:e],
+            )
 
     best = float("inf")
     with _pool(enabled=not w.is_cuda) as (pool, lanes):
@@ -142,8 +152,7 @@ class _pool:
                 cpu = next(slots)
             os.sched_setaffinity(0, {cpu})  # this thread only
 
-        self.pool = ThreadPoolExecutor(len(cpus), thread_name_prefix="subspec-hqq",
-                                       initializer=pin)
+        self.pool = ThreadPoolExecutor(len(cpus), thread_name_prefix="subspec-hqq", initializer=pin)
         return self.pool, len(cpus)
 
     def __exit__(self, *exc):

@@ -38,8 +38,14 @@ def cpu_has_flags(cpuinfo: str | None = None) -> bool:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
-                  if line.startswith("flags")), [])
+    flags = next(
+        (
+            line.split(":", 1)[1].split()
+            for line in cpuinfo.splitlines()
+            if line.startswith("flags")
+        ),
+        [],
+    )
     return all(f in flags for f in CPU_FLAGS)
 
 
@@ -53,8 +59,9 @@ def extension():
     # The name carries a hash of the source, the flags and torch's version (the module links
     # against torch's C++ API), in a folder per Python version, as torch's own default: an
     # edited kernel or an upgraded torch never loads a stale build.
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS + [torch.__version__])
-                            .encode()).hexdigest()[:12]
+    digest = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode()
+    ).hexdigest()[:12]
     name = f"vllm_subspec_int4_dot_{digest}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     folder = root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
@@ -62,16 +69,29 @@ def extension():
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with build_lock(folder):
-            module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                          extra_ldflags=LDFLAGS, build_directory=str(folder), verbose=False)
+            module = load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(folder),
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, an old assembler: tinygemm instead
-        logger.warning("vllm-subspec: the AVX512-BF16 int4 kernel could not be built (%s: %s); "
-                       "CPU substitutes use torch's tinygemm kernel", type(e).__name__, e)
+        logger.warning(
+            "vllm-subspec: the AVX512-BF16 int4 kernel could not be built (%s: %s); "
+            "CPU substitutes use torch's tinygemm kernel",
+            type(e).__name__,
+            e,
+        )
         return None
     seconds = time.perf_counter() - start
     if seconds > 2:  # a build, not a load from torch's extension cache
-        logger.info("vllm-subspec: built the AVX512-BF16 int4 kernel in %.0f s (kept in torch's "
-                    "extension cache)", seconds)
+        logger.info(
+            "vllm-subspec: built the AVX512-BF16 int4 kernel in %.0f s (kept in torch's "
+            "extension cache)",
+            seconds,
+        )
     return module
 
 
@@ -87,8 +107,10 @@ def build_lock(folder: Path):
         try:
             stale = folder / "lock"
             if stale.exists():
-                logger.warning("vllm-subspec: removing %s, left by an int4 kernel build that "
-                               "did not finish", stale)
+                logger.warning(
+                    "vllm-subspec: removing %s, left by an int4 kernel build that did not finish",
+                    stale,
+                )
                 stale.unlink(missing_ok=True)
             yield
         finally:
@@ -104,8 +126,9 @@ def packs(n: int, k: int, bits: int, group_size: int) -> bool:
     return bits == 4 and n % TILE == 0 and group_size % 8 == 0 and k % group_size == 0
 
 
-def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HQQ's codes [N, K] uint8, scale and zero [N, G] -> (packed [N/16, K/8, 64] uint8,
     meta [N/16, G, 32] bf16: per tile and group 16 scales, then 16 offsets (8 - zero) * scale,
     the numbers tinygemm stores)."""
@@ -120,7 +143,8 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return packed, meta.contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor,
-           group_size: int) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """x [M, K] bf16 contiguous -> x @ W.T [M, N] bf16, W = (codes - zero) * scale."""
     return extension().int4_dot_linear(x, packed, meta, group_size)

@@ -22,8 +22,14 @@ from vllm_subspec.draft_model.quantize import QuantizedWeight
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
 
-def int4_cpu_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                    group_size: int, dense: torch.Tensor, dense_from_rows: int) -> torch.Tensor:
+def int4_cpu_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    dense: torch.Tensor,
+    dense_from_rows: int,
+) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, N] with `Int4CpuKernel`'s tensors: the dense twin from
     `dense_from_rows` rows on (when there is one: `dense` not empty), else tinygemm int4."""
     if dense.numel() and x.shape[0] >= dense_from_rows:
@@ -33,12 +39,19 @@ def int4_cpu_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: tor
 
 # The same function as an operator opaque to torch.compile: the row-count choice stays a runtime
 # decision inside a compiled draft forward (its fake gives the output shape: N = packed rows).
-torch.library.custom_op("vllm_subspec::int4_cpu_linear", int4_cpu_linear, mutates_args=()) \
-    .register_fake(lambda x, packed, *_: x.new_empty(x.shape[0], packed.shape[0]))
+torch.library.custom_op(
+    "vllm_subspec::int4_cpu_linear", int4_cpu_linear, mutates_args=()
+).register_fake(lambda x, packed, *_: x.new_empty(x.shape[0], packed.shape[0]))
 
 
-def int4_dot_cpu_linear(x: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor,
-                        group_size: int, dense: torch.Tensor, dense_from_rows: int) -> torch.Tensor:
+def int4_dot_cpu_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    meta: torch.Tensor,
+    group_size: int,
+    dense: torch.Tensor,
+    dense_from_rows: int,
+) -> torch.Tensor:
     """`int4_cpu_linear` with `Int4DotCpuKernel`'s tensors: its dense twin from
     `dense_from_rows` rows on, else the AVX512-BF16 kernel."""
     if dense.numel() and x.shape[0] >= dense_from_rows:
@@ -46,10 +59,9 @@ def int4_dot_cpu_linear(x: torch.Tensor, packed: torch.Tensor, meta: torch.Tenso
     return int4_dot_cpu.linear(x, packed, meta, group_size)
 
 
-torch.library.custom_op("vllm_subspec::int4_dot_cpu_linear", int4_dot_cpu_linear,
-                        mutates_args=()) \
-    .register_fake(lambda x, packed, *_: x.new_empty(x.shape[0],
-                                                     packed.shape[0] * int4_dot_cpu.TILE))
+torch.library.custom_op(
+    "vllm_subspec::int4_dot_cpu_linear", int4_dot_cpu_linear, mutates_args=()
+).register_fake(lambda x, packed, *_: x.new_empty(x.shape[0], packed.shape[0] * int4_dot_cpu.TILE))
 
 
 class Int4CpuKernel:
@@ -86,9 +98,18 @@ class Int4CpuKernel:
         self.group_size = qw.group_size
         self.act_dtype = self.activation_dtype(dtype)
         self.packed, self.scales_and_zeros = self.pack(qw, self.act_dtype)
-        self.dense_from_rows = dense_twin.dense_crossover(
-            type(self), n, k, qw.group_size, self.act_dtype,  # type: ignore[arg-type]
-            max_rows) if max_rows > 0 else None  # (a class is hashable: mypy's lru_cache stub)
+        self.dense_from_rows = (
+            dense_twin.dense_crossover(
+                type(self),  # type: ignore[arg-type]  # a class is hashable; mypy's lru_cache stub
+                n,
+                k,
+                qw.group_size,
+                self.act_dtype,
+                max_rows,
+            )
+            if max_rows > 0
+            else None
+        )
         self.dense = qw.dequantize(self.act_dtype) if self.dense_from_rows is not None else None
 
     @classmethod
@@ -102,9 +123,9 @@ class Int4CpuKernel:
         )  # [N, K/2] uint8
         zero_tg = (8 - qw.zero) * qw.scale
         # [G, N, 2] in the activation dtype, as tinygemm wants.
-        return packed, (torch.stack([qw.scale, zero_tg], -1).transpose(0, 1).contiguous()
-                        .to(act_dtype))
-
+        return packed, (
+            torch.stack([qw.scale, zero_tg], -1).transpose(0, 1).contiguous().to(act_dtype)
+        )
 
     @property
     def dense(self) -> torch.Tensor | None:
@@ -124,16 +145,26 @@ class Int4CpuKernel:
         # Compiled (the draft forward in vLLM's compile mode), through the custom op: dynamo
         # traces one graph for every row count and vLLM drops its guards, so a branch on the
         # row count here would be fixed at the traced size for all of them.
-        run = getattr(torch.ops.vllm_subspec, self.op) if torch.compiler.is_compiling() \
+        run = (
+            getattr(torch.ops.vllm_subspec, self.op)
+            if torch.compiler.is_compiling()
             else self.linear
-        y = run(x2, self.packed, self.scales_and_zeros, self.group_size, self.twin,
-                self.dense_from_rows or 0)
+        )
+        y = run(
+            x2,
+            self.packed,
+            self.scales_and_zeros,
+            self.group_size,
+            self.twin,
+            self.dense_from_rows or 0,
+        )
         y = y.view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.scales_and_zeros] + ([self.dense] if self.dense is not None
-                                                       else [])
+        return [self.packed, self.scales_and_zeros] + (
+            [self.dense] if self.dense is not None else []
+        )
 
     @staticmethod
     def warm_up_key(m: int) -> None:
@@ -154,8 +185,11 @@ class Int4DotCpuKernel(Int4CpuKernel):
     @staticmethod
     def supports(qw: QuantizedWeight, device: torch.device) -> bool:
         n, k = qw.shape
-        return (device.type == "cpu" and int4_dot_cpu.packs(n, k, qw.bits, qw.group_size)
-                and int4_dot_cpu.available())
+        return (
+            device.type == "cpu"
+            and int4_dot_cpu.packs(n, k, qw.bits, qw.group_size)
+            and int4_dot_cpu.available()
+        )
 
     @classmethod
     def activation_dtype(cls, dtype: torch.dtype) -> torch.dtype:
@@ -265,8 +299,9 @@ def choose_kernel(qw: QuantizedWeight, device: torch.device, kernel: str = "auto
     if kernel != "auto":
         cls = KERNELS[kernel]
         if not cls.supports(qw, device):
-            raise ValueError(f"kernel {kernel!r} cannot run a {qw.shape} {qw.bits}-bit "
-                             f"weight on {device.type}")
+            raise ValueError(
+                f"kernel {kernel!r} cannot run a {qw.shape} {qw.bits}-bit weight on {device.type}"
+            )
         return cls
     for cls in (Int4DotCpuKernel, Int4CpuKernel, GemliteKernel):
         if cls.supports(qw, device):

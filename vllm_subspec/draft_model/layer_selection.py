@@ -14,15 +14,19 @@ import torch
 from torch import nn
 
 
-def offloaded_layer_indices(layers: Sequence[nn.Module], offload_config, device: torch.device,
-                            offloader=None) -> list[int]:
+def offloaded_layer_indices(
+    layers: Sequence[nn.Module], offload_config, device: torch.device, offloader=None
+) -> list[int]:
     """Indices of decoder layers with weights in CPU memory (actual or, on CPU, planned)."""
     module_offloaders = getattr(offloader, "module_offloaders", None)
     if module_offloaders:  # prefetch backend: one offloader per offloaded layer
         offloaded = {id(m.module) for m in module_offloaders}
         return [i for i, layer in enumerate(layers) if id(layer) in offloaded]
-    actual = [i for i, layer in enumerate(layers)
-              if any(_in_host_memory(p, device) for p in layer.parameters())]
+    actual = [
+        i
+        for i, layer in enumerate(layers)
+        if any(_in_host_memory(p, device) for p in layer.parameters())
+    ]
     if actual or device.type != "cpu":
         return actual
     return planned_offload(layers, offload_config)
@@ -42,8 +46,11 @@ def planned_offload(layers: Sequence[nn.Module], offload_config) -> list[int]:
     uva, prefetch = offload_config.uva, offload_config.prefetch
     if backend == "prefetch" or (backend == "auto" and prefetch.offload_group_size > 0):
         g, n = prefetch.offload_group_size, prefetch.offload_num_in_group
-        return [i for i, layer in enumerate(layers) if g > 0 and i % g >= g - n
-                and _has_matching_param(layer, prefetch.offload_params)]
+        return [
+            i
+            for i, layer in enumerate(layers)
+            if g > 0 and i % g >= g - n and _has_matching_param(layer, prefetch.offload_params)
+        ]
     if backend in ("uva", "auto") and uva.cpu_offload_gb > 0:
         return _uva_plan(layers, int(uva.cpu_offload_gb * 1024**3), uva.cpu_offload_params)
     return []

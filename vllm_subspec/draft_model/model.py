@@ -34,8 +34,11 @@ def layer_linear_names(layer: nn.Module) -> list[str]:
     MLP's, or in a sparse MoE layer its shared expert's (the routed experts: experts.py), as
     the layer's family names them (`architectures.Family.substituted_linears`)."""
     family, moe = _family(layer)
-    shared = moe is not None and family.shared_expert is not None and \
-        getattr(moe[0], family.shared_expert, None) is not None
+    shared = (
+        moe is not None
+        and family.shared_expert is not None
+        and getattr(moe[0], family.shared_expert, None) is not None
+    )
     return family.substituted_linears(shared)
 
 
@@ -49,9 +52,12 @@ def layer_linear(layer: nn.Module, name: str) -> nn.Module:
     return getattr(getattr(layer, family.mlp), name)
 
 
-def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear],
-                     device: torch.device, experts: SubstituteExperts | None = None
-                     ) -> nn.Module:
+def substitute_layer(
+    layer: nn.Module,
+    linears: dict[str, SubstituteLinear],
+    device: torch.device,
+    experts: SubstituteExperts | None = None,
+) -> nn.Module:
     """A copy of `layer` on `device` that runs `linears` (and `experts` in place of a sparse
     MoE block's runner) and shares the target's attention, rotary embedding and router."""
     family, moe = _family(layer)
@@ -77,8 +83,9 @@ def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear],
                 shared[id(value)] = value
     # deepcopy with a pre-seeded memo: the shared objects map to themselves (or to their
     # substitute) and are not copied; everything else (norms, activations) is small and copied.
-    shared_modules = {id(m) for obj in shared.values() if isinstance(obj, nn.Module)
-                      for m in obj.modules()}
+    shared_modules = {
+        id(m) for obj in shared.values() if isinstance(obj, nn.Module) for m in obj.modules()
+    }
     clone = copy.deepcopy(layer, memo=shared)  # (fills the memo with every copied object)
     for m in clone.modules():
         # Offloaders install an instance-level `forward` hook on the target layer; the copy must
@@ -95,11 +102,19 @@ def substitute_layer(layer: nn.Module, linears: dict[str, SubstituteLinear],
         for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
             if t.device != device:
                 moved = t.detach().to(device)
-                setattr(m, name, nn.Parameter(moved, requires_grad=False)
-                        if isinstance(t, nn.Parameter) else moved)
+                setattr(
+                    m,
+                    name,
+                    nn.Parameter(moved, requires_grad=False)
+                    if isinstance(t, nn.Parameter)
+                    else moved,
+                )
     if moe is not None:  # the copy's shared expert runs its substitutes (Qwen2-MoE)
-        experts.__dict__["shared_expert"] = None if family.shared_expert is None else \
-            getattr(getattr(clone, moe[1]), family.shared_expert, None)
+        experts.__dict__["shared_expert"] = (
+            None
+            if family.shared_expert is None
+            else getattr(getattr(clone, moe[1]), family.shared_expert, None)
+        )
     return clone
 
 
@@ -138,9 +153,14 @@ class CpuFusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         w = self.weight
-        if not x.is_contiguous() or w.dtype != x.dtype or x.shape[-1] % 16 or (
-                residual is not None and (not residual.is_contiguous()
-                                          or residual.dtype != x.dtype)):
+        if (
+            not x.is_contiguous()
+            or w.dtype != x.dtype
+            or x.shape[-1] % 16
+            or (
+                residual is not None and (not residual.is_contiguous() or residual.dtype != x.dtype)
+            )
+        ):
             return self.native.forward_native(x, residual)
         if residual is None:
             out = torch.empty_like(x)
@@ -161,7 +181,8 @@ class DraftModel(nn.Module):
         base = decoder_layers(target)
         self.__dict__["layers"] = [
             substitute_layer(layer, substitutes.layers[i], device, substitutes.experts.get(i))
-            if i in substitutes.layers else layer
+            if i in substitutes.layers
+            else layer
             for i, layer in enumerate(base)
         ]
         self.substituted = sorted(substitutes.layers)
@@ -170,8 +191,13 @@ class DraftModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.target.embed_input_ids(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+        **_: object,
+    ) -> torch.Tensor:
         lm = self.target.model
         hidden = inputs_embeds if inputs_embeds is not None else lm.embed_input_ids(input_ids)
         residual = None
@@ -180,8 +206,7 @@ class DraftModel(nn.Module):
         hidden, _ = lm.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden_states: torch.Tensor, head: str | None = None
-                       ) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, head: str | None = None) -> torch.Tensor:
         """The draft's logits through `head`: "quantized", its own lm_head, finished as vLLM
         0.32's `LogitsProcessor.forward` finishes the target's (vocabulary padding cut, soft
         cap, scale), or "target", the target's own; None: its own when it has one."""

@@ -50,12 +50,16 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 64, method: 
     rows = max(1, QUANTIZE_BLOCK_ELEMENTS // k)
     if n <= rows:
         return _quantize_block(weight, bits, group_size, method)
-    parts = [_quantize_block(weight[i: i + rows], bits, group_size, method)
-             for i in range(0, n, rows)]
-    return QuantizedWeight(codes=torch.cat([p.codes for p in parts]),
-                           scale=torch.cat([p.scale for p in parts]),
-                           zero=torch.cat([p.zero for p in parts]),
-                           bits=bits, group_size=group_size)
+    parts = [
+        _quantize_block(weight[i : i + rows], bits, group_size, method) for i in range(0, n, rows)
+    ]
+    return QuantizedWeight(
+        codes=torch.cat([p.codes for p in parts]),
+        scale=torch.cat([p.scale for p in parts]),
+        zero=torch.cat([p.zero for p in parts]),
+        bits=bits,
+        group_size=group_size,
+    )
 
 
 def _quantize_block(weight: torch.Tensor, bits: int, group_size: int, method: str):
@@ -64,8 +68,17 @@ def _quantize_block(weight: torch.Tensor, bits: int, group_size: int, method: st
     n, k = weight.shape
     # HQQLinear kept scale and zero in its compute dtype: fp16 on CUDA, bf16 elsewhere
     meta_dtype = torch.float16 if weight.is_cuda else torch.bfloat16
-    q = quantize_groups(weight.detach().reshape(-1, group_size), bits,
-                        optimize=method == "hqq", meta_dtype=meta_dtype)
+    q = quantize_groups(
+        weight.detach().reshape(-1, group_size),
+        bits,
+        optimize=method == "hqq",
+        meta_dtype=meta_dtype,
+    )
     g = k // group_size
-    return QuantizedWeight(codes=q.codes.view(n, k), scale=q.scale.view(n, g),
-                           zero=q.zero.view(n, g), bits=bits, group_size=group_size)
+    return QuantizedWeight(
+        codes=q.codes.view(n, k),
+        scale=q.scale.view(n, g),
+        zero=q.zero.view(n, g),
+        bits=bits,
+        group_size=group_size,
+    )

@@ -13,8 +13,9 @@ def capture_bucket(rows: int, capture_sizes: Sequence[int]) -> int:
     return next((c for c in sorted(capture_sizes) if c >= rows), rows)
 
 
-def draft_row_counts(max_num_seqs: int, widths: int | Sequence[int],
-                     capture_sizes: Sequence[int] = ()) -> list[int]:
+def draft_row_counts(
+    max_num_seqs: int, widths: int | Sequence[int], capture_sizes: Sequence[int] = ()
+) -> list[int]:
     """Every row count a draft forward can have: one row per request (bonus and chain passes,
     b = 1..max_num_seqs), k per request (tree levels, each width k a step may use), and each
     of those padded to its capture bucket."""
@@ -28,8 +29,10 @@ def draft_rows_bound(max_num_seqs: int, max_rows: int, widths: Sequence[int]) ->
     """The most rows one draft pass has: a bonus or chain pass one per request, a tree level k
     per request in whole levels of at most `max_rows` rows (wider levels are split over
     passes), for every width (a narrower one can fill more rows)."""
-    return max([min(max_num_seqs, max_rows)]
-               + [k * min(max_num_seqs, max(1, max_rows // k)) for k in widths])
+    return max(
+        [min(max_num_seqs, max_rows)]
+        + [k * min(max_num_seqs, max(1, max_rows // k)) for k in widths]
+    )
 
 
 def warm_up_rows(bound: int, capture_sizes: Sequence[int], max_rows: int) -> int:
@@ -39,8 +42,7 @@ def warm_up_rows(bound: int, capture_sizes: Sequence[int], max_rows: int) -> int
     return min(max(2, capture_bucket(bound, capture_sizes)), max_rows)
 
 
-def verify_rows_bound(max_num_batched_tokens: int, max_num_seqs: int,
-                      num_draft_tokens: int) -> int:
+def verify_rows_bound(max_num_batched_tokens: int, max_num_seqs: int, num_draft_tokens: int) -> int:
     """The most logits rows one verify has: every node of max_num_seqs trees of the widest,
     deepest shape, within the step's token budget."""
     return min(max_num_batched_tokens, max_num_seqs * (num_draft_tokens + 1))

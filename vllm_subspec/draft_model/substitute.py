@@ -16,8 +16,14 @@ from vllm_subspec.draft_model.quantize import QuantizedWeight
 class SubstituteLinear(torch.nn.Module):
     """Stands in for a vLLM linear inside the draft: same call convention, low-bit weights."""
 
-    def __init__(self, kernel, bias: torch.Tensor | None, source_name: str = "",
-                 in_features: int = 0, all_reduce: bool = False):
+    def __init__(
+        self,
+        kernel,
+        bias: torch.Tensor | None,
+        source_name: str = "",
+        in_features: int = 0,
+        all_reduce: bool = False,
+    ):
         """all_reduce: it stands in for a tensor-parallel row-parallel linear whose partial
         products vLLM sums over the ranks (`RowParallelLinear.forward`): so does it."""
         super().__init__()
@@ -54,8 +60,9 @@ class SubstituteLinear(torch.nn.Module):
         return f"{self.source_name}, kernel={self.kernel.name}"
 
 
-def keeps_dense_twin(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device,
-                     kernel: str, max_rows: int) -> bool:
+def keeps_dense_twin(
+    qw: QuantizedWeight, dtype: torch.dtype, device: torch.device, kernel: str, max_rows: int
+) -> bool:
     """Whether `substitute_from_quantized(..., max_rows)` would keep a dense twin: an int4 CPU
     kernel chosen by "auto", and a dense matmul faster at some row count up to max_rows."""
     if max_rows <= 0 or kernel != "auto" or device.type != "cpu":
@@ -64,13 +71,20 @@ def keeps_dense_twin(qw: QuantizedWeight, dtype: torch.dtype, device: torch.devi
     if not issubclass(cls, Int4CpuKernel):
         return False
     n, k = qw.shape
-    return dense_twin.dense_crossover(cls, n, k, qw.group_size, cls.activation_dtype(dtype),
-                                      max_rows) is not None
+    return (
+        dense_twin.dense_crossover(cls, n, k, qw.group_size, cls.activation_dtype(dtype), max_rows)
+        is not None
+    )
 
 
-def substitute_from_quantized(qw: QuantizedWeight, linear: torch.nn.Module,
-                              device: torch.device, kernel: str,
-                              name: str = "", max_rows: int = 0) -> SubstituteLinear:
+def substitute_from_quantized(
+    qw: QuantizedWeight,
+    linear: torch.nn.Module,
+    device: torch.device,
+    kernel: str,
+    name: str = "",
+    max_rows: int = 0,
+) -> SubstituteLinear:
     """The substitute for `linear` from its (built or cached) quantized weight. max_rows: the
     most rows a draft pass can send; with kernel "auto" on CPU, the int4 kernel then keeps a
     dense twin where a dense matmul is faster at some of those row counts."""
@@ -81,11 +95,19 @@ def substitute_from_quantized(qw: QuantizedWeight, linear: torch.nn.Module,
         built = cls(qw, linear.weight.dtype)
     bias = getattr(linear, "bias", None)
     tp_size = getattr(linear, "tp_size", 1)
-    if tp_size > 1 and (getattr(linear, "gather_output", False)
-                        or getattr(linear, "input_is_parallel", True) is False):
-        raise ValueError(f"vllm-subspec: {name} gathers its output or splits its input over "
-                         "tensor-parallel ranks; SubSpec substitutes only linears that keep "
-                         "their shard")
-    return SubstituteLinear(built, None if bias is None else bias.data.to(device), name,
-                            in_features=qw.shape[1],
-                            all_reduce=tp_size > 1 and getattr(linear, "reduce_results", False))
+    if tp_size > 1 and (
+        getattr(linear, "gather_output", False)
+        or getattr(linear, "input_is_parallel", True) is False
+    ):
+        raise ValueError(
+            f"vllm-subspec: {name} gathers its output or splits its input over "
+            "tensor-parallel ranks; SubSpec substitutes only linears that keep "
+            "their shard"
+        )
+    return SubstituteLinear(
+        built,
+        None if bias is None else bias.data.to(device),
+        name,
+        in_features=qw.shape[1],
+        all_reduce=tp_size > 1 and getattr(linear, "reduce_results", False),
+    )

@@ -94,8 +94,11 @@ def _local_model_dir(model: str, revision: str | None = None) -> Path | None:
 
 def weight_fingerprint(model_path: Path) -> str | None:
     """sha256 over (name, size, mtime) of the weight files; None when there are none."""
-    files = [model_path] if model_path.is_file() else sorted(
-        p for p in model_path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    files = (
+        [model_path]
+        if model_path.is_file()
+        else sorted(p for p in model_path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    )
     if not files:
         return None
     stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
@@ -134,8 +137,9 @@ class SubstituteCache:
     write_errors: int = 0
 
     @classmethod
-    def create(cls, model: str, setting, options, revision: str | None = None
-               ) -> SubstituteCache | None:
+    def create(
+        cls, model: str, setting, options, revision: str | None = None
+    ) -> SubstituteCache | None:
         """`setting`: the `substitute_cache` option (None/True: default folder, False: off, or a
         path). None when caching is off or the model's weight files cannot be found."""
         root = cache_root(setting)
@@ -144,21 +148,34 @@ class SubstituteCache:
         local = _local_model_dir(model, revision)
         fingerprint = weight_fingerprint(local) if local is not None else None
         if fingerprint is None:
-            logger.info("vllm-subspec: substitute cache off: no local weight files found for "
-                        "%r; substitutes are built on every start", model)
+            logger.info(
+                "vllm-subspec: substitute cache off: no local weight files found for "
+                "%r; substitutes are built on every start",
+                model,
+            )
             return None
         name = (local.stem if local.is_file() else local.name) or "model"
-        return cls(folder=root / f"{name}-{fingerprint[:16]}", fingerprint=fingerprint,
-                   bits=options.bits, group_size=options.group_size,
-                   quantizer=options.quantizer)
+        return cls(
+            folder=root / f"{name}-{fingerprint[:16]}",
+            fingerprint=fingerprint,
+            bits=options.bits,
+            group_size=options.group_size,
+            quantizer=options.quantizer,
+        )
 
-    def key(self, layer: int, name: str, shape, dtype: torch.dtype,
-            device: torch.device) -> dict:
-        key = {"weights": self.fingerprint, "layer": int(layer), "linear": name,
-               "shape": [int(s) for s in shape], "dtype": str(dtype),
-               "device": torch.device(device).type, "bits": self.bits,
-               "group_size": self.group_size, "quantizer": self.quantizer,
-               "versions": self.versions}
+    def key(self, layer: int, name: str, shape, dtype: torch.dtype, device: torch.device) -> dict:
+        key = {
+            "weights": self.fingerprint,
+            "layer": int(layer),
+            "linear": name,
+            "shape": [int(s) for s in shape],
+            "dtype": str(dtype),
+            "device": torch.device(device).type,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "quantizer": self.quantizer,
+            "versions": self.versions,
+        }
         if self.shard[1] > 1:  # (one device's keys stay as they were)
             key["tensor_parallel_shard"] = list(self.shard)
         return key
@@ -179,26 +196,38 @@ class SubstituteCache:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 stored = json.loads((f.metadata() or {}).get("subspec_key", "null"))
                 if stored != key:
-                    raise ValueError("its key does not match (a different model, linear, "
-                                     "option or version)")
+                    raise ValueError(
+                        "its key does not match (a different model, linear, option or version)"
+                    )
                 codes = unpack_codes(f.get_tensor("codes"), self.bits)
                 scale, zero = f.get_tensor("scale"), f.get_tensor("zero")
             n, k = key["shape"]
             g = k // self.group_size
-            if (tuple(codes.shape) != (n, k) or codes.dtype != torch.uint8
-                    or tuple(scale.shape) != (n, g) or tuple(zero.shape) != (n, g)):
-                raise ValueError(f"unexpected tensor shapes {tuple(codes.shape)}, "
-                                 f"{tuple(scale.shape)}, {tuple(zero.shape)}")
+            if (
+                tuple(codes.shape) != (n, k)
+                or codes.dtype != torch.uint8
+                or tuple(scale.shape) != (n, g)
+                or tuple(zero.shape) != (n, g)
+            ):
+                raise ValueError(
+                    f"unexpected tensor shapes {tuple(codes.shape)}, "
+                    f"{tuple(scale.shape)}, {tuple(zero.shape)}"
+                )
         except Exception as e:  # truncated file, corrupt header, wrong key: rebuild it
-            logger.warning("vllm-subspec: substitute cache entry %s is unusable (%s); "
-                           "rebuilding it", path, e)
+            logger.warning(
+                "vllm-subspec: substitute cache entry %s is unusable (%s); rebuilding it", path, e
+            )
             self.misses += 1
             self.rebuilt += 1
             return None
         self.hits += 1
-        return QuantizedWeight(codes=codes.to(device), scale=scale.float().to(device),
-                               zero=zero.float().to(device), bits=self.bits,
-                               group_size=self.group_size)
+        return QuantizedWeight(
+            codes=codes.to(device),
+            scale=scale.float().to(device),
+            zero=zero.float().to(device),
+            bits=self.bits,
+            group_size=self.group_size,
+        )
 
     def store(self, key: dict, qw: QuantizedWeight) -> None:
         from safetensors.torch import save_file
@@ -207,15 +236,25 @@ class SubstituteCache:
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"codes": pack_codes(qw.codes.cpu(), qw.bits),
-                       "scale": qw.scale.cpu().contiguous(), "zero": qw.zero.cpu().contiguous()},
-                      str(tmp), metadata={"subspec_key": json.dumps(key)})
+            save_file(
+                {
+                    "codes": pack_codes(qw.codes.cpu(), qw.bits),
+                    "scale": qw.scale.cpu().contiguous(),
+                    "zero": qw.zero.cpu().contiguous(),
+                },
+                str(tmp),
+                metadata={"subspec_key": json.dumps(key)},
+            )
             os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
         except OSError as e:
             self.write_errors += 1
             if self.write_errors == 1:
-                logger.warning("vllm-subspec: cannot write the substitute cache in %s (%s); "
-                               "continuing without it", self.folder, e)
+                logger.warning(
+                    "vllm-subspec: cannot write the substitute cache in %s (%s); "
+                    "continuing without it",
+                    self.folder,
+                    e,
+                )
             with contextlib.suppress(OSError):
                 tmp.unlink()
 
@@ -230,22 +269,30 @@ def quantized_weights(jobs, options, device: torch.device, cache: SubstituteCach
 
     built, start = 0, time.perf_counter()
     for job, index, name, linear in tqdm(
-            jobs, desc=f"SubSpec: {options.bits}-bit substitutes", unit="linear",
-            disable=not jobs):
+        jobs, desc=f"SubSpec: {options.bits}-bit substitutes", unit="linear", disable=not jobs
+    ):
         w = linear.weight
         key = cache.key(index, name, w.shape, w.dtype, device) if cache else None
         qw = cache.load(key, device) if cache else None
         if qw is None:
-            qw = quantize(w.data.to(device), bits=options.bits,
-                          group_size=options.group_size, method=options.quantizer)
+            qw = quantize(
+                w.data.to(device),
+                bits=options.bits,
+                group_size=options.group_size,
+                method=options.quantizer,
+            )
             built += 1
             if cache:
                 cache.store(key, qw)
         yield job, linear, qw
     if jobs:
         where = f"{cache.hits} loaded from {cache.folder}" if cache else "no cache"
-        logger.info("vllm-subspec: substitutes ready in %.1f s: %d built, %s",
-                    time.perf_counter() - start, built, where)
+        logger.info(
+            "vllm-subspec: substitutes ready in %.1f s: %d built, %s",
+            time.perf_counter() - start,
+            built,
+            where,
+        )
 
 
 def cache_for_current_model(options) -> SubstituteCache | None:
@@ -258,8 +305,9 @@ def cache_for_current_model(options) -> SubstituteCache | None:
     if vllm_config is None or vllm_config.model_config is None:
         return None
     mc = vllm_config.model_config
-    cache = SubstituteCache.create(mc.model, options.substitute_cache, options,
-                                   revision=getattr(mc, "revision", None))
+    cache = SubstituteCache.create(
+        mc.model, options.substitute_cache, options, revision=getattr(mc, "revision", None)
+    )
     size = vllm_config.parallel_config.tensor_parallel_size
     if cache is not None and size > 1:
         from vllm.distributed import get_tensor_model_parallel_rank

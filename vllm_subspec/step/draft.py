@@ -37,8 +37,9 @@ class DraftPasses(Protocol):
     def chain_pass(self, index: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Chain pass `index` >= 1: one token per request, one position further."""
 
-    def level_pass(self, depth: int, width: int, tokens: torch.Tensor,
-                   active: list[int] | None) -> torch.Tensor:
+    def level_pass(
+        self, depth: int, width: int, tokens: torch.Tensor, active: list[int] | None
+    ) -> torch.Tensor:
         """The k depth-`depth` nodes ([R * k] tokens) of the R requests `active` (batch
         indices; None: all B), in slots L + level(depth), at position L + depth. The caller
         makes the tree plan active around it (`tree_attention.tree_plan`)."""
@@ -50,8 +51,7 @@ class DraftPasses(Protocol):
         """The roots' positions L [B], as `bonus_pass` returns them, without its forward: the
         trees' first levels were drafted already (a head start, step/head_start.py)."""
 
-    def tree_rows(self, row: int, q_start: int, request: int, root, mask: torch.Tensor
-                  ) -> TreeRows:
+    def tree_rows(self, row: int, q_start: int, request: int, root, mask: torch.Tensor) -> TreeRows:
         """The attention rows of `request`'s tree nodes in a level pass (`row`: its row in the
         pass; mask: [q_len, m] over the tree's slots L .. L + m - 1): `TreeRows(row, q_start,
         root, mask)` where the tree's slots follow its root."""
@@ -95,8 +95,9 @@ class FrontierReads:
         self.blocking = blocking
         self.landing: tuple[HostCopy, list[int]] | None = None
 
-    def read(self, log_mass: torch.Tensor, reached: list[int]
-             ) -> tuple[torch.Tensor, list[int]] | None:
+    def read(
+        self, log_mass: torch.Tensor, reached: list[int]
+    ) -> tuple[torch.Tensor, list[int]] | None:
         if not self.passes.on_device or self.blocking:
             return log_mass.cpu(), list(reached)
         seen = None
@@ -130,8 +131,9 @@ class TreeDraft:
         return 1 + self.level_forwards
 
 
-def draft_chain(passes: DraftPasses, next_token_ids: torch.Tensor, depth: int,
-                lm_head: str | None = None) -> ChainDraft:
+def draft_chain(
+    passes: DraftPasses, next_token_ids: torch.Tensor, depth: int, lm_head: str | None = None
+) -> ChainDraft:
     """Argmax drafting (sharpening does not change an argmax), `depth` tokens per request."""
     hidden, _ = passes.bonus_pass(next_token_ids)
     drafts = [passes.logits(hidden, lm_head).argmax(dim=-1)]
@@ -145,12 +147,18 @@ def draft_chain(passes: DraftPasses, next_token_ids: torch.Tensor, depth: int,
 DraftingNext = Callable[[torch.Tensor, list[int]], list[int]]
 
 
-def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeShape,
-               temperature: float, lm_head: str | None = None,
-               drafting_next: DraftingNext | None = None,
-               clock: Callable[[], float] = time.perf_counter, keep_hidden: int = 0,
-               blocking_reads: bool = False, starts: list[TreeBatch] | None = None
-               ) -> TreeDraft:
+def draft_tree(
+    passes: DraftPasses,
+    next_token_ids: torch.Tensor,
+    shape: TreeShape,
+    temperature: float,
+    lm_head: str | None = None,
+    drafting_next: DraftingNext | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    keep_hidden: int = 0,
+    blocking_reads: bool = False,
+    starts: list[TreeBatch] | None = None,
+) -> TreeDraft:
     """Grow this step's trees to `shape.depth` at most, drafting through `lm_head`.
     drafting_next: which requests draft on (`FrontierReads`: every depth on CPU, every 4 on
     a device, without a sync); None: all go on. keep_hidden: keep the first n requests'
@@ -172,7 +180,7 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
         tree = TreeBatch(shape, next_token_ids.to(torch.int64))
         tree.grow(sharpened_log_probs(logits, temperature))
         if keep_hidden:  # [n, nodes, H]: the root's row now, each level's after its pass
-            kept = root_hidden[: keep_hidden]
+            kept = root_hidden[:keep_hidden]
             hidden = kept.new_zeros(len(kept), tree.tokens.shape[1], kept.shape[-1])
             hidden[:, 0] = kept
         root_seconds = None if passes.on_device else clock() - start
@@ -185,8 +193,11 @@ def draft_tree(passes: DraftPasses, next_token_ids: torch.Tensor, shape: TreeSha
     pass_rows, level_forwards = [], 0
     frontier = FrontierReads(passes, blocking_reads)
     for d in range(tree.grown, shape.depth):
-        seen = frontier.read(tree.log_mass[:, : d + 1], reached) \
-            if drafting_next is not None and d % check_every == 0 else None
+        seen = (
+            frontier.read(tree.log_mass[:, : d + 1], reached)
+            if drafting_next is not None and d % check_every == 0
+            else None
+        )
         if seen is not None:
             going = set(drafting_next(*seen))  # of the requests at that check's depth
             if not going:
@@ -218,17 +229,27 @@ def device_index(values: list[int], device: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
-def _level_logits(passes: DraftPasses, tree: TreeBatch, d: int, roots: list,
-                  active: list[int], rows: torch.Tensor | None, lm_head: str | None,
-                  hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+def _level_logits(
+    passes: DraftPasses,
+    tree: TreeBatch,
+    d: int,
+    roots: list,
+    active: list[int],
+    rows: torch.Tensor | None,
+    lm_head: str | None,
+    hidden: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int]:
     """The draft's logits at the k depth-d nodes of the `active` requests ([R * k, V]) and
     the forwards that took: one, or one per group of requests when R * k rows would not fit
     one forward (max_num_seqs x k can exceed vLLM's max_num_batched_tokens). hidden:
     `draft_tree`'s kept hidden states, filled in at this level."""
     k, level = tree.shape.width, tree.shape.level(d)
     per_pass = max(1, passes.max_rows // k)
-    groups = [active] if len(active) <= per_pass else \
-        [active[g: g + per_pass] for g in range(0, len(active), per_pass)]
+    groups = (
+        [active]
+        if len(active) <= per_pass
+        else [active[g : g + per_pass] for g in range(0, len(active), per_pass)]
+    )
     logits = []
     for group in groups:
         if len(groups) == 1:  # the active requests as they are (rows None: all of them)
@@ -236,9 +257,16 @@ def _level_logits(passes: DraftPasses, tree: TreeBatch, d: int, roots: list,
         else:
             group_rows, subset = device_index(group, tree.tokens.device), group
         # a chain's ancestor-only mask is the causal one: the backend's result stands
-        plan = TreePlan([passes.tree_rows(j, j * k, i, roots[i],
-                                          tree.mask[i, level, : level.stop])
-                         for j, i in enumerate(group)]) if k > 1 else None
+        plan = (
+            TreePlan(
+                [
+                    passes.tree_rows(j, j * k, i, roots[i], tree.mask[i, level, : level.stop])
+                    for j, i in enumerate(group)
+                ]
+            )
+            if k > 1
+            else None
+        )
         with tree_plan(plan):
             out = passes.level_pass(d, k, tree.frontier_tokens(group_rows).reshape(-1), subset)
         logits.append(passes.logits(out, lm_head))

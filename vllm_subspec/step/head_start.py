@@ -71,16 +71,19 @@ class HeadStart:
         """[frame_len] bool over logical positions L ..: the slots every head pass sees beyond
         the prefix (the branch's copy and f), none of the verify's."""
         seen = torch.zeros(self.frame_len, dtype=torch.bool, device=device)
-        seen[self.scratch - self.root:] = True
+        seen[self.scratch - self.root :] = True
         return seen
 
-    def rows(self, row: int, q_start: int, mask: torch.Tensor, frame: torch.Tensor
-             ) -> TreeRows:
+    def rows(self, row: int, q_start: int, mask: torch.Tensor, frame: torch.Tensor) -> TreeRows:
         """The attention rows of head tree nodes whose ancestor-or-self mask over the head
         tree's slots is `mask` [q_len, m]: the prefix [0, L), the frame (`frame()`), then
         `mask`. The leaf's row: an empty mask ([1, 0]; f is the frame's last slot)."""
-        return TreeRows(row, q_start, self.root,
-                        torch.cat([frame.expand(mask.shape[0], -1), mask.to(torch.bool)], 1))
+        return TreeRows(
+            row,
+            q_start,
+            self.root,
+            torch.cat([frame.expand(mask.shape[0], -1), mask.to(torch.bool)], 1),
+        )
 
     def slots_needed(self, levels: int) -> int:
         """Slots past the verify's: the branch with f, then the head tree's nodes the passes
@@ -100,8 +103,9 @@ class HeadStart:
         return self.scratch + self.leaf_depth + 1 + nodes, self.next_root + nodes
 
 
-def choose_head_starts(trees: list[tuple[str, int, int, StoredTree, int, int]], levels: int
-                       ) -> list[HeadStart]:
+def choose_head_starts(
+    trees: list[tuple[str, int, int, StoredTree, int, int]], levels: int
+) -> list[HeadStart]:
     """The requests whose next tree gets a head start, from the verify's trees: (req_id, batch
     row, root L, tree, scheduled nodes n, the first position without a KV slot). A tree of
     width 1 (a chain, a chain-only request's best path) gets none, nor a request without
@@ -134,8 +138,13 @@ class HeadDraft:
     reached: list[int]
 
 
-def hits(heads: list[HeadStart], draft: HeadDraft, levels: int, paths: list[list[int]],
-         emitted: torch.Tensor) -> list[tuple[HeadStart, TreeBatch]]:
+def hits(
+    heads: list[HeadStart],
+    draft: HeadDraft,
+    levels: int,
+    paths: list[list[int]],
+    emitted: torch.Tensor,
+) -> list[tuple[HeadStart, TreeBatch]]:
     """The heads the walk confirmed, with their trees: the walk accepted the whole branch to f
     and the target drew c there (paths, emitted: the walk's, by batch row), and the passes
     reached `levels` levels."""
@@ -158,12 +167,12 @@ class HeadPasses(DraftPasses, Protocol):
         """Each leaf f at position L + depth(f), its KV at S + depth(f) -> hidden [H, .]."""
 
 
-def draft_heads(passes: HeadPasses, heads: list[HeadStart], levels: int, temperature: float,
-                lm_head: str | None) -> HeadDraft:
+def draft_heads(
+    passes: HeadPasses, heads: list[HeadStart], levels: int, temperature: float, lm_head: str | None
+) -> HeadDraft:
     """The passes of a verify's head starts: at each leaf, then `levels` levels below the
     predicted bonus token (the draft's argmax at the leaf)."""
     hidden = passes.leaf_pass([h.leaf_token for h in heads])
     predicted = passes.logits(hidden, lm_head).argmax(dim=-1)
-    draft = draft_tree(passes, predicted, TreeShape(heads[0].width, levels), temperature,
-                       lm_head)
+    draft = draft_tree(passes, predicted, TreeShape(heads[0].width, levels), temperature, lm_head)
     return HeadDraft(predicted, draft.tree, draft.reached)

@@ -34,16 +34,22 @@ def min_tokens_state(sampling_metadata) -> dict[int, tuple[int, int, list[int], 
     uses structured output), from vLLM's `MinTokensLogitsProcessor`."""
     for processor in sampling_metadata.logitsprocs.non_argmax_invariant:
         if isinstance(processor, MinTokensLogitsProcessor):
-            return {i: (m, len(out), sorted(stop), structured)
-                    for i, (m, out, stop, structured) in processor.min_toks.items() if stop}
+            return {
+                i: (m, len(out), sorted(stop), structured)
+                for i, (m, out, stop, structured) in processor.min_toks.items()
+                if stop
+            }
     return {}
 
 
 def applies(sampling_metadata) -> bool:
     """Whether any rule here changes a row's logits."""
-    return not sampling_metadata.no_penalties or \
-        sampling_metadata.allowed_token_ids_mask is not None or \
-        bool(sampling_metadata.bad_words_token_ids) or bool(min_tokens_state(sampling_metadata))
+    return (
+        not sampling_metadata.no_penalties
+        or sampling_metadata.allowed_token_ids_mask is not None
+        or bool(sampling_metadata.bad_words_token_ids)
+        or bool(min_tokens_state(sampling_metadata))
+    )
 
 
 @dataclass
@@ -66,20 +72,23 @@ def step_penalties(sampling_metadata, vocab: int, device: torch.device) -> StepP
     from vllm.utils.torch_utils import make_tensor_with_pad
 
     outputs = sampling_metadata.output_token_ids
-    host = make_tensor_with_pad(outputs, pad=vocab, device="cpu", dtype=torch.int64,
-                                pin_memory=device.type == "cuda")
+    host = make_tensor_with_pad(
+        outputs, pad=vocab, device="cpu", dtype=torch.int64, pin_memory=device.type == "cuda"
+    )
     host.masked_fill_(host == -1, vocab)  # (async scheduling's placeholders, as vLLM does)
     tokens = host.to(device, non_blocking=True)
     counts = torch.zeros(len(outputs), vocab + 1, dtype=torch.int64, device=device)
     if tokens.numel():
         counts.scatter_add_(1, tokens, torch.ones_like(tokens))
-    _, prompt_mask = get_token_bin_counts_and_mask(sampling_metadata.prompt_token_ids, vocab,
-                                                   len(outputs))
+    _, prompt_mask = get_token_bin_counts_and_mask(
+        sampling_metadata.prompt_token_ids, vocab, len(outputs)
+    )
     return StepPenalties(counts, prompt_mask)
 
 
-def penalized_at_widest(logits: torch.Tensor, num_requests: int, rows: int
-                        ) -> tuple[torch.Tensor, tuple]:
+def penalized_at_widest(
+    logits: torch.Tensor, num_requests: int, rows: int
+) -> tuple[torch.Tensor, tuple]:
     """What the rules here hold at their widest, made for the start-up memory profile on
     `logits` ([>= rows, V], random): a step's penalty inputs over `num_requests` requests
     (`step_penalties`: the counts and the prompt mask beside them), then `rows` rows as
@@ -95,9 +104,15 @@ def penalized_at_widest(logits: torch.Tensor, num_requests: int, rows: int
     return penalized, (penalties, row_counts)
 
 
-def constrain(logits: torch.Tensor, row_request: torch.Tensor, host_request: torch.Tensor,
-              depths: np.ndarray, paths: Callable[[], np.ndarray], sampling_metadata,
-              penalties: StepPenalties | None) -> torch.Tensor:
+def constrain(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    host_request: torch.Tensor,
+    depths: np.ndarray,
+    paths: Callable[[], np.ndarray],
+    sampling_metadata,
+    penalties: StepPenalties | None,
+) -> torch.Tensor:
     """The target's logits as plain decoding would sample them at each node.
 
     logits: [R, V] one row per node; row_request: [R] each row's batch index on the logits'
@@ -119,8 +134,12 @@ def constrain(logits: torch.Tensor, row_request: torch.Tensor, host_request: tor
             vocab = logits.shape[-1]
             outputs = sampling_metadata.output_token_ids
             path_lists = paths()
-            histories = [list(outputs[i]) + [t for t in path_lists[r].tolist() if t != vocab]
-                         if r in rows else [] for r, i in enumerate(requests)]
+            histories = [
+                list(outputs[i]) + [t for t in path_lists[r].tolist() if t != vocab]
+                if r in rows
+                else []
+                for r, i in enumerate(requests)
+            ]
             apply_bad_words(logits, rows, histories)
     if min_tokens:
         _mask_stop_tokens(logits, host_request.numpy(), depths, min_tokens)
@@ -129,8 +148,13 @@ def constrain(logits: torch.Tensor, row_request: torch.Tensor, host_request: tor
     return logits
 
 
-def _apply_penalties(logits: torch.Tensor, row_request: torch.Tensor, paths: np.ndarray,
-                     sampling_metadata, penalties: StepPenalties) -> None:
+def _apply_penalties(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    paths: np.ndarray,
+    sampling_metadata,
+    penalties: StepPenalties,
+) -> None:
     """vLLM's `apply_penalties` at every row: its request's output-token counts plus the
     row's own path tokens (one gather and one scatter for all rows), then vLLM's repetition
     penalty op and the frequency and presence terms, as a plain step computes them."""
@@ -142,14 +166,22 @@ def _apply_penalties(logits: torch.Tensor, row_request: torch.Tensor, paths: np.
     counts.scatter_add_(1, path, torch.ones_like(path))
     counts = counts[:, :vocab]
     mask = counts > 0
-    apply_repetition_penalties(logits, penalties.prompt_mask[row_request], mask,
-                               sampling_metadata.repetition_penalties[row_request])
+    apply_repetition_penalties(
+        logits,
+        penalties.prompt_mask[row_request],
+        mask,
+        sampling_metadata.repetition_penalties[row_request],
+    )
     logits -= sampling_metadata.frequency_penalties[row_request].unsqueeze(dim=1) * counts
     logits -= sampling_metadata.presence_penalties[row_request].unsqueeze(dim=1) * mask
 
 
-def _mask_stop_tokens(logits: torch.Tensor, requests: np.ndarray, depths: np.ndarray,
-                      state: dict[int, tuple[int, int, list[int], bool]]) -> None:
+def _mask_stop_tokens(
+    logits: torch.Tensor,
+    requests: np.ndarray,
+    depths: np.ndarray,
+    state: dict[int, tuple[int, int, list[int], bool]],
+) -> None:
     """Stop tokens to -inf at every row whose output length (committed + depth) is still below
     the request's min_tokens; rows of structured-output requests left all -inf keep them (as
     `MinTokensLogitsProcessor._mask_stop_token_logits`). The rows are found on the host per
@@ -168,14 +200,16 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: np.ndarray, depths: np.nda
     # each entry's place among the restorable rows (entries of other rows: masked out below)
     place = np.minimum(np.searchsorted(restorable, rows), max(restorable.size - 1, 0))
     host = np.stack([rows, tokens, place, structured]).astype(np.int64)
-    index_rows, index_tokens, places, is_restorable = to_device(torch.from_numpy(host),
-                                                                logits.device)
+    index_rows, index_tokens, places, is_restorable = to_device(
+        torch.from_numpy(host), logits.device
+    )
     index = (index_rows, index_tokens)
     before = logits[index]  # a copy (advanced indexing)
     minus_inf = torch.full((), float("-inf"), device=logits.device)
     logits.index_put_(index, minus_inf)
     if restorable.size:
-        dead = torch.isneginf(logits[to_device(torch.from_numpy(restorable),
-                                               logits.device)]).all(-1)
+        dead = torch.isneginf(logits[to_device(torch.from_numpy(restorable), logits.device)]).all(
+            -1
+        )
         restore = is_restorable.bool() & dead[places] & torch.isfinite(before)
         logits.index_put_(index, torch.where(restore, before, minus_inf))

@@ -70,8 +70,8 @@ class CpuVecLayout:
         h, d, bs = self.kv_heads, self.kv_cache.shape[3] // 2, out.block_size
         keys = self.keys_t[blocks].view(n, h, d, per, bs).permute(0, 3, 1, 2, 4)
         values = self.values[blocks].view(n, h, per, bs, d).transpose(1, 2)
-        out.keys_t[first: first + n * per] = keys.reshape(n * per, h, d, bs)
-        out.values[first: first + n * per] = values.reshape(n * per, h, bs, d)
+        out.keys_t[first : first + n * per] = keys.reshape(n * per, h, d, bs)
+        out.values[first : first + n * per] = values.reshape(n * per, h, bs, d)
 
 
 class CpuAmxLayout:
@@ -121,10 +121,13 @@ class CpuAmxLayout:
         n, per = blocks.numel(), self.block_size // out.block_size
         h, d, bs = self.kv_heads, self.head_dim, out.block_size
         keys = self.keys[blocks].view(n, h, per, bs // 16, d // 2, 16, 2).transpose(1, 2)
-        values = self.values[blocks].view(n, h, d // 16, per, bs // 2, 16, 2) \
+        values = (
+            self.values[blocks]
+            .view(n, h, d // 16, per, bs // 2, 16, 2)
             .permute(0, 3, 1, 2, 4, 5, 6)
-        out.keys[first: first + n * per] = keys.reshape(n * per, h, bs // 16, d // 2, 16, 2)
-        out.values[first: first + n * per] = values.reshape(n * per, h, d // 16, bs // 2, 16, 2)
+        )
+        out.keys[first : first + n * per] = keys.reshape(n * per, h, bs // 16, d // 2, 16, 2)
+        out.values[first : first + n * per] = values.reshape(n * per, h, d // 16, bs // 2, 16, 2)
 
 
 def cpu_layout(kv_cache: torch.Tensor, isa: str | None = None):
@@ -148,7 +151,8 @@ class FlashAttentionLayout:
             raise RuntimeError(
                 f"vllm-subspec: unexpected FlashAttention KV cache shape {tuple(kv_cache.shape)} "
                 f"for head_size {head_size}; expected [blocks, kv_heads, block_size, "
-                f"{2 * head_size}]")
+                f"{2 * head_size}]"
+            )
         self.keys, self.values = kv_cache.transpose(1, 2).split(head_size, dim=-1)
         self.block_size, self.kv_heads = kv_cache.shape[2], kv_cache.shape[1]
 
@@ -178,8 +182,10 @@ def layout_for(impl, kv_cache: torch.Tensor, isa: str | None = None):
         return cpu_layout(kv_cache, isa)
     if name == "FlashAttentionImpl":
         return FlashAttentionLayout(kv_cache, impl.head_size)
-    raise RuntimeError(f"vllm-subspec: tree attention has no KV cache reader for {name}; "
-                       "use the FLASH_ATTN attention backend or tree_width=1")
+    raise RuntimeError(
+        f"vllm-subspec: tree attention has no KV cache reader for {name}; "
+        "use the FLASH_ATTN attention backend or tree_width=1"
+    )
 
 
 _CPU_LAYOUT_CHECKED: dict[str, bool] = {}
@@ -200,8 +206,9 @@ def check_cpu_layout(isa: str, head_dim: int, block_size: int, dtype: torch.dtyp
         kc, vc = kv.view(3, h, 2 * block_size, head_dim).chunk(2, dim=2)
         k, v = torch.randn(t, h, head_dim, dtype=dtype), torch.randn(t, h, head_dim, dtype=dtype)
         slots = torch.arange(t, dtype=torch.int64) + 1
-        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
-                                       kv_cache_dtype="auto")
+        ops.cpu_attn_reshape_and_cache(
+            k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+        )
         gk, gv = cpu_layout(kv, isa).gather(slots)
         ok = torch.equal(gk, k) and torch.equal(gv, v)
     _CPU_LAYOUT_CHECKED[key] = ok
@@ -235,9 +242,12 @@ def move_accepted_kv(moves: list[KvMove], kv: PagedKv) -> None:
         return
     lengths = [len(m.path) for m in moves]
     root = np.repeat([m.root for m in moves], lengths)
-    copy_kv(np.repeat([m.req_index for m in moves], lengths),
-            root + np.concatenate([m.path for m in moves]),
-            root + np.concatenate([np.arange(1, n + 1) for n in lengths]), kv)
+    copy_kv(
+        np.repeat([m.req_index for m in moves], lengths),
+        root + np.concatenate([m.path for m in moves]),
+        root + np.concatenate([np.arange(1, n + 1) for n in lengths]),
+        kv,
+    )
 
 
 def copy_kv(requests: np.ndarray, src: np.ndarray, dst: np.ndarray, kv: PagedKv) -> None:

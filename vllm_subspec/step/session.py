@@ -111,9 +111,11 @@ def kv_copies(copies: list[tuple[int, tuple[np.ndarray, np.ndarray]]]) -> KvCopi
     if not copies:
         empty = np.zeros(0, dtype=np.int64)
         return KvCopies(empty, empty, empty)
-    return KvCopies(np.concatenate([np.full(len(s), i, dtype=np.int64) for i, (s, _) in copies]),
-                    np.concatenate([s for _, (s, _) in copies]),
-                    np.concatenate([d for _, (_, d) in copies]))
+    return KvCopies(
+        np.concatenate([np.full(len(s), i, dtype=np.int64) for i, (s, _) in copies]),
+        np.concatenate([s for _, (s, _) in copies]),
+        np.concatenate([d for _, (_, d) in copies]),
+    )
 
 
 def this_rank_decides(decision):
@@ -122,9 +124,13 @@ def this_rank_decides(decision):
 
 
 class StepSession:
-    def __init__(self, options: SubSpecOptions, tuner: ShapeTuner | None = None,
-                 clock: Callable[[], float] = time.perf_counter,
-                 share: Callable = this_rank_decides):
+    def __init__(
+        self,
+        options: SubSpecOptions,
+        tuner: ShapeTuner | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        share: Callable = this_rank_decides,
+    ):
         """share: decision -> the decision every rank takes (tensor parallel: rank 0's,
         broadcast; the tuner's choices rest on this rank's clock, and every rank must draft
         and verify the same shapes)."""
@@ -150,12 +156,21 @@ class StepSession:
         self._head_start_seconds = 0.0  # this verify's host time in them: not the verify's
 
     @classmethod
-    def from_options(cls, options: SubSpecOptions, share: Callable = this_rank_decides
-                     ) -> StepSession:
+    def from_options(
+        cls, options: SubSpecOptions, share: Callable = this_rank_decides
+    ) -> StepSession:
         """An auto shape gets a tuner measuring this engine's costs."""
-        tuner = ShapeTuner(options.widths, options.tree_depth, options.auto_width,
-                           options.auto_depth, lm_heads=options.draft_lm_heads) \
-            if options.is_auto and options.is_tree else None
+        tuner = (
+            ShapeTuner(
+                options.widths,
+                options.tree_depth,
+                options.auto_width,
+                options.auto_depth,
+                lm_heads=options.draft_lm_heads,
+            )
+            if options.is_auto and options.is_tree
+            else None
+        )
         return cls(options, tuner, share=share)
 
     # ---- 1. plan, then propose ----------------------------------------------------------
@@ -184,9 +199,14 @@ class StepSession:
             self._plan = (start, list(req_ids), plan)
         return plan
 
-    def propose(self, passes: DraftPasses, req_ids: list[str], next_token_ids: torch.Tensor,
-                num_speculative_tokens: int, chain_only: list[bool] | None = None
-                ) -> torch.Tensor | list[list[int]]:
+    def propose(
+        self,
+        passes: DraftPasses,
+        req_ids: list[str],
+        next_token_ids: torch.Tensor,
+        num_speculative_tokens: int,
+        chain_only: list[bool] | None = None,
+    ) -> torch.Tensor | list[list[int]]:
         """This step's drafts for the B requests `req_ids`: [B, D] tokens (chain), [B, k*D]
         (fixed tree shape), or per-request lists (auto shape; any shape with `chain_only`
         requests). Drafts the plan `plan_step` made for these requests (making it first if
@@ -205,32 +225,42 @@ class StepSession:
         start = self.clock()  # drafting's own start (vLLM built its inputs after the plan)
         graph_passes = self.stats.draft_graph_passes
         if not self.options.is_tree:
-            chain = draft_chain(passes, next_token_ids, num_speculative_tokens,
-                                self.options.draft_lm_heads[0])
+            chain = draft_chain(
+                passes, next_token_ids, num_speculative_tokens, self.options.draft_lm_heads[0]
+            )
             drafts, num_passes = chain.tokens, chain.passes
             self.stats.tree_width, self.stats.tree_depth = 1, num_speculative_tokens
         else:
-            drafts, num_passes = self._draft_trees(passes, req_ids, next_token_ids, plan,
-                                                   chain_only or [False] * len(req_ids))
+            drafts, num_passes = self._draft_trees(
+                passes, req_ids, next_token_ids, plan, chain_only or [False] * len(req_ids)
+            )
         # no wait for the device here: a tree's host copy (`_keep_pending`) already waited, an
         # auto shape's tuner too, and a chain's drafts are consumed on the stream
         self.stats.draft_graph_steps += self.stats.draft_graph_passes > graph_passes
         self._end_proposal(start, num_passes, req_ids, step_start)
         return drafts
 
-    def _end_proposal(self, start: float, num_passes: int, req_ids: list[str],
-                      step_start: float | None = None) -> None:
+    def _end_proposal(
+        self, start: float, num_passes: int, req_ids: list[str], step_start: float | None = None
+    ) -> None:
         """start: the proposal's drafting start; step_start: the step's, for its measured
         rate (the plan's time: vLLM's draft inputs between the two are the step's too)."""
         end = self.clock()
-        self.stats.step_seconds += self.timer.proposed(start, end, num_passes > 0, req_ids,
-                                                       step_start)
+        self.stats.step_seconds += self.timer.proposed(
+            start, end, num_passes > 0, req_ids, step_start
+        )
         self.stats.draft_steps += 1
         self.stats.draft_passes += num_passes
         self.stats.draft_seconds += end - start
 
-    def _draft_trees(self, passes: DraftPasses, req_ids: list[str],
-                     next_token_ids: torch.Tensor, plan: StepPlan, chain_only: list[bool]):
+    def _draft_trees(
+        self,
+        passes: DraftPasses,
+        req_ids: list[str],
+        next_token_ids: torch.Tensor,
+        plan: StepPlan,
+        chain_only: list[bool],
+    ):
         tuner, k = self.tuner, plan.shape.width
         self.stats.tree_width = k
         lm_head = plan.lm_head or self.options.draft_lm_heads[0]
@@ -244,32 +274,42 @@ class StepSession:
             compared = 0
             self.stats.head_start_steps += 1
         start = self.clock()
-        draft = draft_tree(passes, next_token_ids, plan.shape, self.options.draft_temperature,
-                           lm_head,
-                           (lambda log_mass, reached: self.share(
-                               tuner.drafting_next(log_mass, k, reached)))
-                           if adaptive else None, clock=self.clock,
-                           keep_hidden=compared,
-                           # every rank checks at the same depths (tensor parallel)
-                           blocking_reads=self.share is not this_rank_decides, starts=starts)
+        draft = draft_tree(
+            passes,
+            next_token_ids,
+            plan.shape,
+            self.options.draft_temperature,
+            lm_head,
+            (lambda log_mass, reached: self.share(tuner.drafting_next(log_mass, k, reached)))
+            if adaptive
+            else None,
+            clock=self.clock,
+            keep_hidden=compared,
+            # every rank checks at the same depths (tensor parallel)
+            blocking_reads=self.share is not this_rank_decides,
+            starts=starts,
+        )
         if tuner is None:  # a fixed shape: k * D tokens each, unless cut short
             self.stats.tree_depth = max(draft.reached)
             pending = self._keep_pending(req_ids, draft, chain_only)
             if not any(chain_only) and min(draft.reached) == plan.shape.depth:
                 return draft.tree.tokens[:, 1:], draft.passes
-            return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, draft.reached)], \
-                draft.passes
+            return [
+                t.tokens[1 : 1 + t.width * d] for t, d in zip(pending, draft.reached)
+            ], draft.passes
         log_mass = draft.tree.log_mass[:, : draft.tree.grown + 1].cpu()  # one host read
         passes.synchronize()
-        tuner.observe_draft(k, len(req_ids), draft.pass_rows, self.clock() - start,
-                            draft.root_seconds)
+        tuner.observe_draft(
+            k, len(req_ids), draft.pass_rows, self.clock() - start, draft.root_seconds
+        )
         pending = self._keep_pending(req_ids, draft, chain_only, log_mass, lm_head)
         depths = self.share(tuner.verify_depths(log_mass, k, draft.reached))
         self.stats.tree_depth = max(depths)
-        return [t.tokens[1: 1 + t.width * d] for t, d in zip(pending, depths)], draft.passes
+        return [t.tokens[1 : 1 + t.width * d] for t, d in zip(pending, depths)], draft.passes
 
-    def _head_trees_for(self, req_ids: list[str], width: int, chain_only: list[bool]
-                        ) -> list[TreeBatch] | None:
+    def _head_trees_for(
+        self, req_ids: list[str], width: int, chain_only: list[bool]
+    ) -> list[TreeBatch] | None:
         """The confirmed head starts' trees, when every request of the step has one of this
         step's width (a batch drafts its levels together) and none is chain-only."""
         trees, self.head_trees = self.head_trees, {}
@@ -278,9 +318,14 @@ class StepSession:
             return None
         return starts
 
-    def _keep_pending(self, req_ids: list[str], draft: TreeDraft, chain_only: list[bool],
-                      log_mass: torch.Tensor | None = None, head: str | None = None
-                      ) -> list[StoredTree]:
+    def _keep_pending(
+        self,
+        req_ids: list[str],
+        draft: TreeDraft,
+        chain_only: list[bool],
+        log_mass: torch.Tensor | None = None,
+        head: str | None = None,
+    ) -> list[StoredTree]:
         """Keep each request's tree (its best path, for `chain_only` ones) until it is
         verified. log_mass: [B, grown + 1] per-depth log frontier mass on the host, for an
         auto shape's tuner; None for a fixed shape. head: the lm_head that drafted; a compared
@@ -288,12 +333,22 @@ class StepSession:
         tree, hidden = draft.tree, draft.node_hidden
         rows, parents = tree.tokens.tolist(), tree.parents.tolist()  # the one host read
         masses = log_mass.tolist() if log_mass is not None else [[] for _ in req_ids]
-        stored = [StoredTree(rows[i], parents[i], tree.mask[i], tree.shape.width, masses[i],
-                             head, hidden[i] if hidden is not None and i < len(hidden) else None,
-                             draft.reached[i])
-                  for i in range(len(req_ids))]
-        stored = [t.best_path(draft.reached[i]) if chain_only[i] else t
-                  for i, t in enumerate(stored)]
+        stored = [
+            StoredTree(
+                rows[i],
+                parents[i],
+                tree.mask[i],
+                tree.shape.width,
+                masses[i],
+                head,
+                hidden[i] if hidden is not None and i < len(hidden) else None,
+                draft.reached[i],
+            )
+            for i in range(len(req_ids))
+        ]
+        stored = [
+            t.best_path(draft.reached[i]) if chain_only[i] else t for i, t in enumerate(stored)
+        ]
         self.pending = dict(zip(req_ids, stored))
         return stored
 
@@ -303,8 +358,9 @@ class StepSession:
         self.timer.close_step(now, req_ids, decode_only=not self._prompt_step)
 
     # ---- 2. verify inputs ----------------------------------------------------------------
-    def prepare_verify(self, requests: list[VerifyRequest],
-                       prompt_tokens: bool = False) -> PositionWrites:
+    def prepare_verify(
+        self, requests: list[VerifyRequest], prompt_tokens: bool = False
+    ) -> PositionWrites:
         """Consume the pending trees of the requests vLLM scheduled drafts for; returns the
         position rewrites of the verify forward (vLLM's chain positions L + i -> L + depth).
         prompt_tokens: the step also runs prompt tokens (a request's prefill or a chunk)."""
@@ -319,8 +375,9 @@ class StepSession:
         for r in requests:
             stored = drafted.get(r.req_id)
             if stored is None:  # placeholders of a skipped drafter: a chain, vLLM's layout
-                self.verifying[r.req_id] = VerifiedTree(chain_tree(r.scheduled), r.root, r.index,
-                                                        False)
+                self.verifying[r.req_id] = VerifiedTree(
+                    chain_tree(r.scheduled), r.root, r.index, False
+                )
                 continue
             n = len(r.scheduled)
             starts.append(r.query_start + 1)
@@ -328,24 +385,32 @@ class StepSession:
             widths.append(stored.width)
             roots.append(r.root)
             if stored.width > 1:  # a chain's mask is causal: the backend's rows stand
-                rows.append(TreeRows(r.index, r.query_start, r.root,
-                                     stored.mask[: n + 1, : n + 1]))
+                rows.append(TreeRows(r.index, r.query_start, r.root, stored.mask[: n + 1, : n + 1]))
             self.verifying[r.req_id] = VerifiedTree(stored, r.root, r.index, True)
         self._verify_plan = TreePlan(rows) if rows else None
         levels = self.options.head_start_levels
         if levels:
             self._heads = choose_head_starts(
-                [(r.req_id, r.index, r.root, drafted[r.req_id], len(r.scheduled), r.kv_end)
-                 for r in requests if r.req_id in drafted], levels)
+                [
+                    (r.req_id, r.index, r.root, drafted[r.req_id], len(r.scheduled), r.kv_end)
+                    for r in requests
+                    if r.req_id in drafted
+                ],
+                levels,
+            )
         # node i (1..n) of a level-ordered tree of width k sits at depth (i - 1) // k + 1
         counts_np = np.asarray(counts, dtype=np.int64)
         owner = np.repeat(np.arange(len(counts)), counts_np)
-        node = np.arange(int(counts_np.sum())) - np.repeat(np.cumsum(counts_np) - counts_np,
-                                                           counts_np) + 1
+        node = (
+            np.arange(int(counts_np.sum()))
+            - np.repeat(np.cumsum(counts_np) - counts_np, counts_np)
+            + 1
+        )
         widths_np = np.asarray(widths, dtype=np.int64)[owner]
-        return PositionWrites(np.asarray(starts, dtype=np.int64)[owner] + node - 1,
-                              np.asarray(roots, dtype=np.int64)[owner]
-                              + (node - 1) // np.maximum(widths_np, 1) + 1)
+        return PositionWrites(
+            np.asarray(starts, dtype=np.int64)[owner] + node - 1,
+            np.asarray(roots, dtype=np.int64)[owner] + (node - 1) // np.maximum(widths_np, 1) + 1,
+        )
 
     # ---- 3. the verify forward -----------------------------------------------------------
     @contextlib.contextmanager
@@ -371,9 +436,13 @@ class StepSession:
             return
         start = self.clock()
         head = self.verifying[heads[0].req_id].tree.head or self.options.draft_lm_heads[0]
-        self._head_draft = draft_heads(make_passes(heads), heads,
-                                       self.options.head_start_levels,
-                                       self.options.draft_temperature, head)
+        self._head_draft = draft_heads(
+            make_passes(heads),
+            heads,
+            self.options.head_start_levels,
+            self.options.draft_temperature,
+            head,
+        )
         self.stats.head_starts += len(heads)
         self._head_start_seconds += self.clock() - start
 
@@ -383,24 +452,35 @@ class StepSession:
         plain engine draws): nothing to walk, nothing verified."""
         self.verifying, self._verify_start = {}, None
 
-    def sample_and_walk(self, req_ids: list[str], num_draft: list[int], logits: torch.Tensor,
-                        sampling_metadata, topk_topp_sampler, kv: Callable[[], PagedKv],
-                        head_starts_done: Callable[[], None] = lambda: None,
-                        max_rows: int | None = None,
-                        lm_head_logits: LmHeadLogits | None = None) -> WalkResult:
+    def sample_and_walk(
+        self,
+        req_ids: list[str],
+        num_draft: list[int],
+        logits: torch.Tensor,
+        sampling_metadata,
+        topk_topp_sampler,
+        kv: Callable[[], PagedKv],
+        head_starts_done: Callable[[], None] = lambda: None,
+        max_rows: int | None = None,
+        lm_head_logits: LmHeadLogits | None = None,
+    ) -> WalkResult:
         """logits: [sum(num_draft) + B, V] the target's, each request's root row first;
         kv: where the step's KV lives (asked for when a path moves); head_starts_done: waits
         for the head starts' passes (their stream, on CUDA); max_rows: the most rows drawn at
         once (`verify.sample_then_match`); lm_head_logits: the draft's heads, for a compared
         step's ranks."""
         trees = [self.verifying.get(rid) if n else None for rid, n in zip(req_ids, num_draft)]
-        walk = sample_then_match(trees, num_draft, logits, sampling_metadata, topk_topp_sampler,
-                                 max_rows)
+        walk = sample_then_match(
+            trees, num_draft, logits, sampling_metadata, topk_topp_sampler, max_rows
+        )
         if walk.moves:  # the next step's prefix is contiguous
             move_accepted_kv(walk.moves, kv())
         self._confirm_head_starts(walk, kv, head_starts_done)
-        drafted = [(v, path, n, emitted) for v, path, n, emitted
-                   in zip(trees, walk.paths, num_draft, walk.tokens) if v is not None and v.compact]
+        drafted = [
+            (v, path, n, emitted)
+            for v, path, n, emitted in zip(trees, walk.paths, num_draft, walk.tokens)
+            if v is not None and v.compact
+        ]
         self.stats.verified_trees += len(drafted)
         # every request's emitted tokens: its accepted path and the bonus (from the host walk)
         self.timer.emitted(sum(len(p) + 1 for p in walk.paths))
@@ -408,13 +488,19 @@ class StepSession:
         drafted = [(v, p, n, e) for v, p, n, e in drafted if v.tree.level_log_mass]
         if self.tuner is not None:
             for v, path, n, _ in drafted:
-                self.tuner.observe_tree(v.tree.width, v.tree.level_log_mass, len(path),
-                                        n // v.tree.width)
+                self.tuner.observe_tree(
+                    v.tree.width, v.tree.level_log_mass, len(path), n // v.tree.width
+                )
             if lm_head_logits is not None and self.tuner.lm_heads is not None:
-                self.tuner.lm_heads.observe_paths([(v.tree, [0, *path], emitted)
-                                                   for v, path, _, emitted in drafted
-                                                   if v.tree.node_hidden is not None],
-                                                  max_rows, lm_head_logits)
+                self.tuner.lm_heads.observe_paths(
+                    [
+                        (v.tree, [0, *path], emitted)
+                        for v, path, _, emitted in drafted
+                        if v.tree.node_hidden is not None
+                    ],
+                    max_rows,
+                    lm_head_logits,
+                )
         if self._verify_start is not None:  # the head starts' time is theirs
             seconds = self.clock() - self._verify_start - self._head_start_seconds
             self.stats.verify_seconds += seconds
@@ -425,8 +511,9 @@ class StepSession:
         self.verifying = {}
         return walk
 
-    def _confirm_head_starts(self, walk: WalkResult, kv: Callable[[], PagedKv],
-                             done: Callable[[], None]) -> None:
+    def _confirm_head_starts(
+        self, walk: WalkResult, kv: Callable[[], PagedKv], done: Callable[[], None]
+    ) -> None:
         """The head starts the walk confirmed keep their trees for the next proposal, their
         nodes' KV moved to the next tree's slots (after the accepted paths' moves)."""
         heads, draft, self._heads, self._head_draft = self._heads, self._head_draft, [], None

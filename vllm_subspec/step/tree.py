@@ -92,7 +92,7 @@ class TreeBatch:
         one = TreeBatch.__new__(TreeBatch)
         one.shape, one.grown = self.shape, self.grown
         for name in ("tokens", "parents", "scores", "mask", "log_mass"):
-            setattr(one, name, getattr(self, name)[i: i + 1])
+            setattr(one, name, getattr(self, name)[i : i + 1])
         return one
 
     @classmethod
@@ -104,8 +104,9 @@ class TreeBatch:
         nodes = 1 + grown * shape.width
         tree = cls(shape, torch.cat([s.tokens[:, 0] for s in starts]))
         for name in ("tokens", "parents", "scores"):
-            getattr(tree, name)[:, :nodes] = torch.cat([getattr(s, name)[:, :nodes]
-                                                       for s in starts])
+            getattr(tree, name)[:, :nodes] = torch.cat(
+                [getattr(s, name)[:, :nodes] for s in starts]
+            )
         tree.mask[:, :nodes, :nodes] = torch.cat([s.mask[:, :nodes, :nodes] for s in starts])
         tree.log_mass[:, : grown + 1] = torch.cat([s.log_mass[:, : grown + 1] for s in starts])
         tree.grown = grown
@@ -116,14 +117,14 @@ class TreeBatch:
         return self.tokens[slice(None) if rows is None else rows, self.shape.level(self.grown)]
 
 
-def widest_level(logits: torch.Tensor, batch: int, width: int,
-                 temperature: float) -> TreeBatch:
+def widest_level(logits: torch.Tensor, batch: int, width: int, temperature: float) -> TreeBatch:
     """The largest temporaries a draft pass past its layers makes: a root level from the first
     `batch` rows of `logits` [batch * width, V], then one frontier level over all of them
     (sharpened fp32 log-probabilities, the top-k over width x V candidates per request). Run on
     random logits by the proposer's profiling pass, where vLLM measures peak memory."""
-    tree = TreeBatch(TreeShape(width, 2),
-                     torch.zeros(batch, dtype=torch.int64, device=logits.device))
+    tree = TreeBatch(
+        TreeShape(width, 2), torch.zeros(batch, dtype=torch.int64, device=logits.device)
+    )
     tree.grow(sharpened_log_probs(logits[:batch], temperature))
     tree.grow(sharpened_log_probs(logits, temperature).view(batch, width, -1))
     return tree
@@ -165,5 +166,9 @@ class StoredTree:
             path.append(self.tokens[node])
             node = self.parents[node]
         m = len(path)
-        return StoredTree([self.tokens[0]] + path[::-1], list(range(-1, m)),
-                          torch.ones(m + 1, m + 1, dtype=torch.bool).tril(), 1)
+        return StoredTree(
+            [self.tokens[0]] + path[::-1],
+            list(range(-1, m)),
+            torch.ones(m + 1, m + 1, dtype=torch.bool).tril(),
+            1,
+        )

@@ -69,7 +69,8 @@ class TreePlan:
 # The plan of the forward in progress in this thread: set only by `tree_plan`, read by
 # `apply_tree_attention` (the attention backends' wrapped forward).
 _ACTIVE_PLAN: contextvars.ContextVar[TreePlan | None] = contextvars.ContextVar(
-    "subspec_tree_plan", default=None)
+    "subspec_tree_plan", default=None
+)
 
 
 @contextlib.contextmanager
@@ -87,20 +88,33 @@ def active_tree_plan() -> TreePlan | None:
     return _ACTIVE_PLAN.get()
 
 
-def _triton_rows(out: torch.Tensor, query: torch.Tensor, layout: FlashAttentionLayout,
-                 block_table: torch.Tensor, rows, scale: float) -> None:
+def _triton_rows(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    layout: FlashAttentionLayout,
+    block_table: torch.Tensor,
+    rows,
+    scale: float,
+) -> None:
     """The Triton kernel over FlashAttention's cache views, in place into `out`. On CPU
     tensors (only the Triton interpreter runs it there) products are computed in fp32: the
     interpreter does bf16 arithmetic on raw bits."""
     from vllm_subspec.step.tree_attention_triton import tree_attention_into
 
-    tree_attention_into(out, query, layout.keys, layout.values, block_table, rows, scale,
-                        upcast=query.device.type != "cuda")
+    tree_attention_into(
+        out,
+        query,
+        layout.keys,
+        layout.values,
+        block_table,
+        rows,
+        scale,
+        upcast=query.device.type != "cuda",
+    )
 
 
 def uses_cpu_kernel(layout, query: torch.Tensor) -> bool:
-    return isinstance(layout, (CpuVecLayout, CpuAmxLayout)) \
-        and layout.kv_cache.dtype == query.dtype
+    return isinstance(layout, (CpuVecLayout, CpuAmxLayout)) and layout.kv_cache.dtype == query.dtype
 
 
 SCRATCH_BLOCK = 32  # tokens per block of the kernel's scratch cache (its tile: 32 tokens)
@@ -129,8 +143,13 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts, 0) - counts
 
 
-def cpu_scratch(layout: CpuVecLayout | CpuAmxLayout, tables: torch.Tensor,
-                requests: list[TreeRows], heads: int, dtype: torch.dtype) -> CpuScratch:
+def cpu_scratch(
+    layout: CpuVecLayout | CpuAmxLayout,
+    tables: torch.Tensor,
+    requests: list[TreeRows],
+    heads: int,
+    dtype: torch.dtype,
+) -> CpuScratch:
     """The scratch layout of `_cpu_kernel_rows` for `requests` (`tables` [R, blocks]: each
     one's block-table row): every row becomes one decode request over a scratch paged cache
     with 32-token blocks, holding exactly the context plain decoding has at that node, at the
@@ -149,12 +168,20 @@ def cpu_scratch(layout: CpuVecLayout | CpuAmxLayout, tables: torch.Tensor,
     num_rows = sum(q for q, _ in shapes)
     # every mask row-major, one after another (`_chunk_cat` with one chunk: any shapes in one
     # operation; a draft level's all have one shape: stacked)
-    flat = (torch.stack(masks) if len(set(shapes)) == 1 else torch._chunk_cat(masks, 0, 1)) \
-        .to(device="cpu", dtype=torch.bool).view(-1)  # [sum of q_len * m]
+    flat = (
+        (torch.stack(masks) if len(set(shapes)) == 1 else torch._chunk_cat(masks, 0, 1))
+        .to(device="cpu", dtype=torch.bool)
+        .view(-1)
+    )  # [sum of q_len * m]
     table = tables.to(device="cpu", dtype=torch.int64)  # [R, cache blocks]
     q_start, q_len, m, prefix = torch.tensor(
-        [[r.q_start for r in requests], [q for q, _ in shapes], [n for _, n in shapes],
-         [int(r.prefix_len) for r in requests]])  # [R] each
+        [
+            [r.q_start for r in requests],
+            [q for q, _ in shapes],
+            [n for _, n in shapes],
+            [int(r.prefix_len) for r in requests],
+        ]
+    )  # [R] each
     full, lead = prefix // bs, prefix % bs  # whole scratch blocks of the prefix; tokens after
     # of those, the ones in whole cache blocks are split block-wise, the others token-wise
     per = cache_bs // bs if cache_bs % bs == 0 else 0  # scratch blocks per cache block
@@ -165,9 +192,13 @@ def cpu_scratch(layout: CpuVecLayout | CpuAmxLayout, tables: torch.Tensor,
     split_at = _exclusive_cumsum(split)  # [R] each request's first split block
     other_at = num_split + _exclusive_cumsum(other)  # [R] ... and first other block
     row_req = torch.repeat_interleave(q_len, output_size=num_rows)  # [N] each row's request
-    row_full, row_lead, row_m, row_split, row_split_at, row_other_at, row_query_shift = \
-        torch.stack([full, lead, m, split, split_at, other_at,
-                     q_start - _exclusive_cumsum(q_len)], 1).index_select(0, row_req).T  # [N]
+    row_full, row_lead, row_m, row_split, row_split_at, row_other_at, row_query_shift = (
+        torch.stack(
+            [full, lead, m, split, split_at, other_at, q_start - _exclusive_cumsum(q_len)], 1
+        )
+        .index_select(0, row_req)
+        .T
+    )  # [N]
     # a row's tail: the positions [full * bs, L + m) it sees, in order (the prefix's last
     # `lead`, then its tree slots), i.e. the nonzeros of its mask led by `lead` ones; those
     # extended masks of every row, one after another:
@@ -175,8 +206,7 @@ def cpu_scratch(layout: CpuVecLayout | CpuAmxLayout, tables: torch.Tensor,
     span_end = torch.cumsum(span, 0)
     spans = torch.ones(flat.numel() + int(row_lead.sum()), dtype=torch.bool)
     mask_row = torch.repeat_interleave(row_m, output_size=flat.numel())  # [sum of q_len * m]
-    spans[torch.arange(flat.numel())
-          + torch.cumsum(row_lead, 0).index_select(0, mask_row)] = flat
+    spans[torch.arange(flat.numel()) + torch.cumsum(row_lead, 0).index_select(0, mask_row)] = flat
     tok = spans.nonzero().view(-1)  # [T] every row's tail tokens, in order
     tok_row = torch.searchsorted(span_end, tok, right=True)  # [T]
     tail_len = torch.bincount(tok_row, minlength=num_rows)  # [N]
@@ -184,15 +214,23 @@ def cpu_scratch(layout: CpuVecLayout | CpuAmxLayout, tables: torch.Tensor,
     prefix_blocks = full.sum()  # 0-d
     first = prefix_blocks + _exclusive_cumsum(row_tail)  # [N] each row's first tail block
     num_prefix, num_tail, width = torch.stack(
-        [prefix_blocks, row_tail.sum(), (row_full + row_tail).max()]).tolist()
+        [prefix_blocks, row_tail.sum(), (row_full + row_tail).max()]
+    ).tolist()
     col = torch.arange(width)[:, None]  # [width, 1] block-table columns
-    req_table = torch.where(col < row_full + row_tail, torch.where(
-        col < row_split, row_split_at, torch.where(
-            col < row_full, row_other_at - row_split, first - row_full)) + col, 0).T.to(
-                torch.int32, memory_format=torch.contiguous_format)  # [N, width]
+    req_table = torch.where(
+        col < row_full + row_tail,
+        torch.where(
+            col < row_split,
+            row_split_at,
+            torch.where(col < row_full, row_other_at - row_split, first - row_full),
+        )
+        + col,
+        0,
+    ).T.to(torch.int32, memory_format=torch.contiguous_format)  # [N, width]
     logical = tok + (row_full * bs - span_end + span).index_select(0, tok_row)
     dst = torch.arange(tok.numel()) + (first * bs - _exclusive_cumsum(tail_len)).index_select(
-        0, tok_row)
+        0, tok_row
+    )
     req = row_req.index_select(0, tok_row)
     # the prefixes' whole cache blocks, split into scratch blocks [0, num_split) in order ...
     whole = table[torch.arange(table.shape[1]) < split[:, None] // max(per, 1)]  # [W]
@@ -200,23 +238,46 @@ def cpu_scratch(layout: CpuVecLayout | CpuAmxLayout, tables: torch.Tensor,
     other_req = torch.repeat_interleave(other * bs)  # [sum of other * bs] each one's request
     other_slot = torch.arange(other_req.numel())
     req = torch.cat([other_req, req])
-    logical = torch.cat([other_slot + (split * bs - _exclusive_cumsum(other * bs)).index_select(
-        0, other_req), logical])
+    logical = torch.cat(
+        [
+            other_slot + (split * bs - _exclusive_cumsum(other * bs)).index_select(0, other_req),
+            logical,
+        ]
+    )
     dst = torch.cat([num_split * bs + other_slot, dst])
     src = table[req, logical // cache_bs] * cache_bs + logical % cache_bs
     seq_lens = (row_full * bs + tail_len).to(torch.int32)
     starts = torch.arange(num_rows + 1, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=num_rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
-        seq_lens=seq_lens, dtype=dtype, query_start_loc=starts, causal=True,
-        sliding_window_size=-1, isa=layout.isa, enable_kv_split=False)
-    return CpuScratch(num_prefix + num_tail, num_prefix, whole, src, dst,
-                      row_query_shift + torch.arange(num_rows), req_table, seq_lens, starts,
-                      metadata)
+        num_reqs=num_rows,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=d,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=starts,
+        causal=True,
+        sliding_window_size=-1,
+        isa=layout.isa,
+        enable_kv_split=False,
+    )
+    return CpuScratch(
+        num_prefix + num_tail,
+        num_prefix,
+        whole,
+        src,
+        dst,
+        row_query_shift + torch.arange(num_rows),
+        req_table,
+        seq_lens,
+        starts,
+        metadata,
+    )
 
 
-def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
-                     scratch_plan: CpuScratch, scale: float) -> torch.Tensor:
+def _cpu_kernel_rows(
+    query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout, scratch_plan: CpuScratch, scale: float
+) -> torch.Tensor:
     """The tree rows of a forward through one call of vLLM's CPU attention kernel
     (`cpu_attention_with_kv_cache`) over the scratch cache `scratch_plan` lays out
     (`cpu_scratch`); returns [rows, heads, d], the requests' rows in order. Each row is the
@@ -230,35 +291,48 @@ def _cpu_kernel_rows(query: torch.Tensor, layout: CpuVecLayout | CpuAmxLayout,
     scratch = kv.new_empty(plan.num_blocks, kv_heads, SCRATCH_BLOCK, kv.shape[3])
     out_layout = cpu_layout(scratch, layout.isa)
     # the kernel reads V up to its 32-token alignment (times a zero probability: NaN would stay)
-    scratch[plan.num_prefix:].zero_()
+    scratch[plan.num_prefix :].zero_()
     # the prefixes' whole cache blocks, 512 KiB at a time: the copy's temporaries then stay
     # in a core's cache (all at once, hundreds of MiB for 32 requests of 4k tokens, it took
     # twice as long; 4 MiB at a time, 10-20 % longer)
     per = layout.block_size // SCRATCH_BLOCK
     chunk = max(1, SPLIT_BYTES // (kv[0].numel() * kv.element_size()))
     for at in range(0, plan.whole.numel(), chunk):
-        layout.split_blocks(plan.whole[at: at + chunk], out_layout, at * per)
+        layout.split_blocks(plan.whole[at : at + chunk], out_layout, at * per)
     out_layout.put(plan.dst, *layout.gather(plan.src))
-    key_cache, value_cache = scratch.view(scratch.shape[0], kv_heads, 2 * SCRATCH_BLOCK,
-                                          d).chunk(2, dim=2)
+    key_cache, value_cache = scratch.view(scratch.shape[0], kv_heads, 2 * SCRATCH_BLOCK, d).chunk(
+        2, dim=2
+    )
     out = torch.empty(plan.query_rows.numel(), heads, d, dtype=query.dtype)
     ops.cpu_attention_with_kv_cache(
-        query=query[plan.query_rows], key_cache=key_cache, value_cache=value_cache, output=out,
-        query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens, scale=scale, causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=plan.block_table, softcap=0.0,
-        scheduler_metadata=plan.metadata, s_aux=None)
+        query=query[plan.query_rows],
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=plan.query_start_loc,
+        seq_lens=plan.seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=plan.block_table,
+        softcap=0.0,
+        scheduler_metadata=plan.metadata,
+        s_aux=None,
+    )
     return out
 
 
-def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows,
-                scale: float) -> torch.Tensor:
+def _torch_rows(
+    query: torch.Tensor, layout, block_table: torch.Tensor, rows: TreeRows, scale: float
+) -> torch.Tensor:
     """The tree rows recomputed with torch in fp32 (a CPU cache whose dtype differs from the
     query's). Scores against the prefix and against the tree slots are two
     batched matmuls over all rows; masked tree slots get -inf, so they add exact zeros. Against
     vLLM's CPU kernel, ~0.05 % of bf16 outputs differ, mostly by 1 ulp (docs/tree_attention.md)."""
     q_len, m = rows.tree_mask.shape
     dev = query.device
-    q = query[rows.q_start: rows.q_start + q_len].float()  # [q_len, heads, d]
+    q = query[rows.q_start : rows.q_start + q_len].float()  # [q_len, heads, d]
     heads, d = q.shape[1], q.shape[2]
     kv_heads = layout.kv_heads
     groups = heads // kv_heads  # query head h reads KV head h // groups
@@ -270,7 +344,7 @@ def _torch_rows(query: torch.Tensor, layout, block_table: torch.Tensor, rows: Tr
     v = v.float().transpose(0, 1)
     scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [kv_heads, groups * q_len, L + m]
     hidden = (~rows.tree_mask.to(dev)).repeat(groups, 1)  # [groups * q_len, m]
-    scores[:, :, int(rows.prefix_len):].masked_fill_(hidden.unsqueeze(0), float("-inf"))
+    scores[:, :, int(rows.prefix_len) :].masked_fill_(hidden.unsqueeze(0), float("-inf"))
     out = torch.matmul(scores.softmax(-1), v)  # [kv_heads, groups * q_len, d]
     out = out.view(kv_heads, groups, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
     return out.to(query.dtype)
@@ -285,26 +359,44 @@ def apply_tree_attention(impl, layer, query, kv_cache, attn_metadata, output) ->
     if type(impl).__name__ == "CPUAttentionBackendImpl":
         check_cpu_layout(isa or "?", kv_cache.shape[-1] // 2, kv_cache.shape[2], kv_cache.dtype)
     layout = layout_for(impl, kv_cache, isa)
-    block_table = attn_metadata.block_table if hasattr(attn_metadata, "block_table") \
+    block_table = (
+        attn_metadata.block_table
+        if hasattr(attn_metadata, "block_table")
         else attn_metadata.block_table_tensor
+    )
     heads = query.shape[1]
     out = output.view(output.shape[0], heads, -1)
     if uses_cpu_kernel(layout, query):  # every request's rows in one kernel call
         key = (layout.isa, layout.block_size, tuple(kv_cache.shape[1:]), heads, query.dtype)
-        scratch = plan.layout(key, block_table, lambda: cpu_scratch(
-            layout, block_table[torch.tensor([r.req_index for r in plan.rows])], plan.rows,
-            heads, query.dtype))
+        scratch = plan.layout(
+            key,
+            block_table,
+            lambda: cpu_scratch(
+                layout,
+                block_table[torch.tensor([r.req_index for r in plan.rows])],
+                plan.rows,
+                heads,
+                query.dtype,
+            ),
+        )
         out[scratch.query_rows] = _cpu_kernel_rows(query, layout, scratch, impl.scale)
         return
     if isinstance(layout, FlashAttentionLayout):  # every request's rows in one Triton launch
         from vllm_subspec.step.tree_attention_triton import tree_rows_layout
 
-        rows = plan.layout(("triton", heads, layout.kv_heads), block_table,
-                           lambda: tree_rows_layout(
-                               plan.rows, query.device, heads // layout.kv_heads,
-                               layout.kv_heads, block_table.shape[-1] * layout.block_size))
+        rows = plan.layout(
+            ("triton", heads, layout.kv_heads),
+            block_table,
+            lambda: tree_rows_layout(
+                plan.rows,
+                query.device,
+                heads // layout.kv_heads,
+                layout.kv_heads,
+                block_table.shape[-1] * layout.block_size,
+            ),
+        )
         _triton_rows(out, query, layout, block_table, rows, impl.scale)
         return
     for rows in plan.rows:
         res = _torch_rows(query, layout, block_table[rows.req_index], rows, impl.scale)
-        out[rows.q_start: rows.q_start + res.shape[0]] = res
+        out[rows.q_start : rows.q_start + res.shape[0]] = res

@@ -50,12 +50,43 @@ BLOCK_M, BLOCK_N = DEFAULT_CONFIG.block_m, DEFAULT_CONFIG.block_n
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, table_row, req,
-                 offs_d, d_ok, scale, key_cache_ptr, value_cache_ptr, block_table_ptr,
-                 masks_ptr, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
-                 stride_vh, stride_vd, stride_bt, stride_mr, stride_mq, PAGE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
-                 K_ROWS: tl.constexpr):
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    start,
+    hi,
+    prefix,
+    row,
+    row_ok,
+    kv_head,
+    table_row,
+    req,
+    offs_d,
+    d_ok,
+    scale,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    masks_ptr,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_mr,
+    stride_mq,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    MASKED: tl.constexpr,
+    K_ROWS: tl.constexpr,
+):
     """One BLOCK_N tile of context folded into the online softmax. MASKED: the tile may hold
     tree slots or run past `hi` (the tree mask and bounds are applied); else every position is
     a prefix position every row sees (no mask is read, no bound is checked)."""
@@ -64,8 +95,11 @@ def _attend_tile(q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, tabl
     if MASKED:
         j = t - prefix  # tree slot of each position (negative: the prefix)
         in_tree = (j >= 0) & t_ok
-        seen = tl.load(masks_ptr + req * stride_mr + row[:, None] * stride_mq + j[None, :],
-                       mask=row_ok[:, None] & in_tree[None, :], other=0)
+        seen = tl.load(
+            masks_ptr + req * stride_mr + row[:, None] * stride_mq + j[None, :],
+            mask=row_ok[:, None] & in_tree[None, :],
+            other=0,
+        )
         # K/V are read only where a row of the tile sees them: a head start's rows never
         # read the verify's slots, which the verify writes meanwhile (step/head_start.py)
         t_ok = t_ok & ((j < 0) | (tl.max(seen, axis=0) != 0))
@@ -75,16 +109,36 @@ def _attend_tile(q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, tabl
     off = t % PAGE
     kv_ok = t_ok[:, None] & d_ok[None, :]
     if K_ROWS:  # [BLOCK_N, HEAD_DIM_P] along the cache's contiguous head dim, transposed
-        k = tl.trans(tl.load(key_cache_ptr + block[:, None].to(tl.int64) * stride_kb
-                             + off[:, None] * stride_ks + kv_head * stride_kh
-                             + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0))
+        k = tl.trans(
+            tl.load(
+                key_cache_ptr
+                + block[:, None].to(tl.int64) * stride_kb
+                + off[:, None] * stride_ks
+                + kv_head * stride_kh
+                + offs_d[None, :] * stride_kd,
+                mask=kv_ok,
+                other=0.0,
+            )
+        )
     else:
-        k = tl.load(key_cache_ptr + block[None, :].to(tl.int64) * stride_kb
-                    + off[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None] * stride_kd,
-                    mask=t_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_P, BLOCK_N]
-    v = tl.load(value_cache_ptr + block[:, None].to(tl.int64) * stride_vb
-                + off[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-                mask=kv_ok, other=0.0)  # [BLOCK_N, HEAD_DIM_P]
+        k = tl.load(
+            key_cache_ptr
+            + block[None, :].to(tl.int64) * stride_kb
+            + off[None, :] * stride_ks
+            + kv_head * stride_kh
+            + offs_d[:, None] * stride_kd,
+            mask=t_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # [HEAD_DIM_P, BLOCK_N]
+    v = tl.load(
+        value_cache_ptr
+        + block[:, None].to(tl.int64) * stride_vb
+        + off[:, None] * stride_vs
+        + kv_head * stride_vh
+        + offs_d[None, :] * stride_vd,
+        mask=kv_ok,
+        other=0.0,
+    )  # [BLOCK_N, HEAD_DIM_P]
     if UPCAST:
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale
     else:
@@ -110,15 +164,43 @@ def _attend_tile(q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, tabl
 # so no forward compiles a new variant.
 @triton.jit(do_not_specialize=["stride_mr", "stride_mq", "num_splits"])
 def _tree_attention_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, output_ptr, block_table_ptr, masks_ptr,
-    tiles_ptr, requests_ptr, partial_ptr, stats_ptr, scale, num_splits,
-    stride_qt: tl.int64, stride_qh: tl.int64, stride_kb: tl.int64, stride_ks: tl.int64,
-    stride_kh: tl.int64, stride_kd: tl.int64, stride_vb: tl.int64, stride_vs: tl.int64,
-    stride_vh: tl.int64, stride_vd: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
-    stride_bt: tl.int64, stride_mr: tl.int64, stride_mq: tl.int64,
-    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, SPLIT: tl.constexpr, K_ROWS: tl.constexpr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    output_ptr,
+    block_table_ptr,
+    masks_ptr,
+    tiles_ptr,
+    requests_ptr,
+    partial_ptr,
+    stats_ptr,
+    scale,
+    num_splits,
+    stride_qt: tl.int64,
+    stride_qh: tl.int64,
+    stride_kb: tl.int64,
+    stride_ks: tl.int64,
+    stride_kh: tl.int64,
+    stride_kd: tl.int64,
+    stride_vb: tl.int64,
+    stride_vs: tl.int64,
+    stride_vh: tl.int64,
+    stride_vd: tl.int64,
+    stride_ot: tl.int64,
+    stride_oh: tl.int64,
+    stride_bt: tl.int64,
+    stride_mr: tl.int64,
+    stride_mq: tl.int64,
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
+    K_ROWS: tl.constexpr,
     PREFIX_PHASE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -138,8 +220,14 @@ def _tree_attention_kernel(
     row_ok = (offs_m // GROUPS < BLOCK_Q) & (row < q_len)  # M entries past BLOCK_Q: padding
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(query_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh
-                + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        query_ptr
+        + (q_start + row)[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -159,35 +247,114 @@ def _tree_attention_kernel(
         mid = lo + tl.maximum(tl.minimum(hi, prefix) - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, table_row, req, offs_d,
-            d_ok, scale, key_cache_ptr, value_cache_ptr, block_table_ptr, masks_ptr, stride_kb,
-            stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_bt, stride_mr, stride_mq, PAGE, BLOCK_N, UPCAST, False, K_ROWS)
+            q,
+            acc,
+            m_i,
+            l_i,
+            start,
+            hi,
+            prefix,
+            row,
+            row_ok,
+            kv_head,
+            table_row,
+            req,
+            offs_d,
+            d_ok,
+            scale,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_ptr,
+            masks_ptr,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            stride_vd,
+            stride_bt,
+            stride_mr,
+            stride_mq,
+            PAGE,
+            BLOCK_N,
+            UPCAST,
+            False,
+            K_ROWS,
+        )
     for start in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, start, hi, prefix, row, row_ok, kv_head, table_row, req, offs_d,
-            d_ok, scale, key_cache_ptr, value_cache_ptr, block_table_ptr, masks_ptr, stride_kb,
-            stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_bt, stride_mr, stride_mq, PAGE, BLOCK_N, UPCAST, True, K_ROWS)
+            q,
+            acc,
+            m_i,
+            l_i,
+            start,
+            hi,
+            prefix,
+            row,
+            row_ok,
+            kv_head,
+            table_row,
+            req,
+            offs_d,
+            d_ok,
+            scale,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_ptr,
+            masks_ptr,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            stride_vd,
+            stride_bt,
+            stride_mr,
+            stride_mq,
+            PAGE,
+            BLOCK_N,
+            UPCAST,
+            True,
+            K_ROWS,
+        )
     if SPLIT:  # unnormalized, with its max and sum: `_merge_splits_kernel` combines them
-        at = (split * tl.num_programs(0) * tl.num_programs(1) + tile * tl.num_programs(1)
-              + kv_head).to(tl.int64) * BLOCK_M + offs_m
+        at = (
+            split * tl.num_programs(0) * tl.num_programs(1) + tile * tl.num_programs(1) + kv_head
+        ).to(tl.int64) * BLOCK_M + offs_m
         tl.store(partial_ptr + at[:, None] * HEAD_DIM_P + offs_d[None, :], acc)
         tl.store(stats_ptr + 2 * at, m_i)
         tl.store(stats_ptr + 2 * at + 1, l_i)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(output_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh
-                 + offs_d[None, :], out.to(output_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            output_ptr
+            + (q_start + row)[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + offs_d[None, :],
+            out.to(output_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    output_ptr, tiles_ptr, requests_ptr, partial_ptr, stats_ptr, num_splits,
-    stride_ot: tl.int64, stride_oh: tl.int64,
-    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    output_ptr,
+    tiles_ptr,
+    requests_ptr,
+    partial_ptr,
+    stats_ptr,
+    num_splits,
+    stride_ot: tl.int64,
+    stride_oh: tl.int64,
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """One program per (tile, KV head): its rows' splits merged by their maxima and sums."""
     tile = tl.program_id(0)
@@ -206,8 +373,9 @@ def _merge_splits_kernel(
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     for split in range(0, num_splits):
-        at = (split * tl.num_programs(0) * tl.num_programs(1) + tile * tl.num_programs(1)
-              + kv_head).to(tl.int64) * BLOCK_M + offs_m
+        at = (
+            split * tl.num_programs(0) * tl.num_programs(1) + tile * tl.num_programs(1) + kv_head
+        ).to(tl.int64) * BLOCK_M + offs_m
         m_s = tl.load(stats_ptr + 2 * at)
         l_s = tl.load(stats_ptr + 2 * at + 1)
         a_s = tl.load(partial_ptr + at[:, None] * HEAD_DIM_P + offs_d[None, :])
@@ -219,9 +387,14 @@ def _merge_splits_kernel(
         acc = acc * alpha[:, None] + a_s * beta[:, None]
         m = m_new
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    tl.store(output_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh
-             + offs_d[None, :], out.to(output_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        output_ptr
+        + (q_start + row)[:, None] * stride_ot
+        + head[:, None] * stride_oh
+        + offs_d[None, :],
+        out.to(output_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 @dataclass
@@ -241,8 +414,9 @@ class TritonTreeRows:
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def split_count(tiles: int, kv_heads: int, capacity: int, sm_count: int,
-                block_n: int = BLOCK_N) -> int:
+def split_count(
+    tiles: int, kv_heads: int, capacity: int, sm_count: int, block_n: int = BLOCK_N
+) -> int:
     """Context splits per tile: enough for tiles x KV heads x splits >= the GPU's SMs (one split
     where the tiles alone fill them), within a request's capacity in BLOCK_N tiles and
     MAX_SPLITS. Each request splits its own context evenly in the kernel."""
@@ -259,9 +433,15 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def tree_rows_layout(requests: list, device: torch.device, groups: int, kv_heads: int = 1,
-                     capacity: int = 0, sms: int | None = None,
-                     config: KernelConfig = DEFAULT_CONFIG) -> TritonTreeRows:
+def tree_rows_layout(
+    requests: list,
+    device: torch.device,
+    groups: int,
+    kv_heads: int = 1,
+    capacity: int = 0,
+    sms: int | None = None,
+    config: KernelConfig = DEFAULT_CONFIG,
+) -> TritonTreeRows:
     """The kernels' inputs for `requests` (`tree_attention.TreeRows`): their integers in one
     host-to-device copy (pinned and asynchronous on CUDA: no host sync), roots given as device
     tensors stacked on the device, masks padded into one tensor, and the split count for
@@ -269,37 +449,58 @@ def tree_rows_layout(requests: list, device: torch.device, groups: int, kv_heads
     block_q = max(1, config.block_m // groups)  # tree rows per program
     rows = [r.tree_mask.shape[0] for r in requests]
     on_device = [isinstance(r.prefix_len, torch.Tensor) for r in requests]
-    ints = [[r.req_index, r.q_start, n, 0 if dev else r.prefix_len, r.tree_mask.shape[1], 0,
-             0, 0] for r, n, dev in zip(requests, rows, on_device)]
+    ints = [
+        [r.req_index, r.q_start, n, 0 if dev else r.prefix_len, r.tree_mask.shape[1], 0, 0, 0]
+        for r, n, dev in zip(requests, rows, on_device)
+    ]
     tiles = [v for i, n in enumerate(rows) for first in range(0, n, block_q) for v in (i, first)]
-    packed = to_device(torch.tensor([v for r in ints for v in r] + tiles, dtype=torch.int32),
-                       device)
+    packed = to_device(
+        torch.tensor([v for r in ints for v in r] + tiles, dtype=torch.int32), device
+    )
     split = 8 * len(ints)
     per_request = packed[:split].view(-1, 8)
     if any(on_device):
-        per_request[:, 3] = torch.stack([
-            r.prefix_len.reshape(()) if dev else
-            torch.full((), r.prefix_len, dtype=torch.int64, device=device)  # a fill, no copy
-            for r, dev in zip(requests, on_device)]).to(torch.int32)
+        per_request[:, 3] = torch.stack(
+            [
+                r.prefix_len.reshape(())
+                if dev
+                else torch.full(
+                    (), r.prefix_len, dtype=torch.int64, device=device
+                )  # a fill, no copy
+                for r, dev in zip(requests, on_device)
+            ]
+        ).to(torch.int32)
     masks = [r.tree_mask for r in requests]
     if len({m.shape for m in masks}) == 1:  # a draft level: every request k rows over m slots
         padded = torch.stack(masks).to(device=device, dtype=torch.int8)
     else:
-        padded = torch.zeros(len(masks), max(rows), max(m.shape[1] for m in masks),
-                             dtype=torch.int8, device=device)
+        padded = torch.zeros(
+            len(masks), max(rows), max(m.shape[1] for m in masks), dtype=torch.int8, device=device
+        )
         for out, m in zip(padded, masks):
             out[: m.shape[0], : m.shape[1]] = m
     if requests and not any(on_device):  # contexts known here: split what they hold
         capacity = min(capacity, max(r.prefix_len + r.tree_mask.shape[1] for r in requests))
-    splits = split_count(len(tiles) // 2, kv_heads, capacity, sm_count(device) if sms is None
-                         else sms, config.block_n)
-    return TritonTreeRows(packed[split:].view(-1, 2), per_request, padded, block_q, splits,
-                          config)
+    splits = split_count(
+        len(tiles) // 2,
+        kv_heads,
+        capacity,
+        sm_count(device) if sms is None else sms,
+        config.block_n,
+    )
+    return TritonTreeRows(packed[split:].view(-1, 2), per_request, padded, block_q, splits, config)
 
 
-def tree_attention_into(output: torch.Tensor, query: torch.Tensor, keys: torch.Tensor,
-                        values: torch.Tensor, block_table: torch.Tensor, rows: TritonTreeRows,
-                        scale: float, upcast: bool = False) -> None:
+def tree_attention_into(
+    output: torch.Tensor,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: TritonTreeRows,
+    scale: float,
+    upcast: bool = False,
+) -> None:
     """Overwrite the tree rows of `output` [T, heads, d] with ancestor-only attention.
 
     query [T, heads, d]; keys/values [blocks, page, kv_heads, d], strided views of vLLM's
@@ -314,26 +515,70 @@ def tree_attention_into(output: torch.Tensor, query: torch.Tensor, keys: torch.T
     block_m = max(config.block_m, triton.next_power_of_2(groups))
     head_dim_p = triton.next_power_of_2(d)
     workspace_rows = splits * tiles * kv_heads * block_m
-    if splits > 1 and (rows.workspace is None or rows.workspace[0].shape[0] < workspace_rows
-                       or rows.workspace[0].shape[1] < head_dim_p):
+    if splits > 1 and (
+        rows.workspace is None
+        or rows.workspace[0].shape[0] < workspace_rows
+        or rows.workspace[0].shape[1] < head_dim_p
+    ):
         # fp32: each split's sums and its (max, sum); made at the first layer, reused by the
         # others (made anew should a layer need more)
         rows.workspace = (
             torch.empty(workspace_rows, head_dim_p, dtype=torch.float32, device=query.device),
-            torch.empty(workspace_rows, 2, dtype=torch.float32, device=query.device))
+            torch.empty(workspace_rows, 2, dtype=torch.float32, device=query.device),
+        )
     partial, stats = rows.workspace if splits > 1 else (output, output)  # (unused unsplit)
     warps = config.warps(d)
     stages = {"num_stages": config.num_stages} if config.num_stages else {}
     _tree_attention_kernel[(tiles, kv_heads, splits)](
-        query, keys, values, output, block_table, rows.masks, rows.tiles, rows.requests,
-        partial, stats, scale, splits,
-        query.stride(0), query.stride(1), *keys.stride(), *values.stride(), output.stride(0),
-        output.stride(1), block_table.stride(0), rows.masks.stride(0), rows.masks.stride(1),
-        GROUPS=groups, HEAD_DIM=d, HEAD_DIM_P=head_dim_p, PAGE=page, BLOCK_Q=rows.block_q,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, UPCAST=upcast, SPLIT=splits > 1,
-        K_ROWS=config.k_rows, PREFIX_PHASE=config.prefix_phase, num_warps=warps, **stages)
+        query,
+        keys,
+        values,
+        output,
+        block_table,
+        rows.masks,
+        rows.tiles,
+        rows.requests,
+        partial,
+        stats,
+        scale,
+        splits,
+        query.stride(0),
+        query.stride(1),
+        *keys.stride(),
+        *values.stride(),
+        output.stride(0),
+        output.stride(1),
+        block_table.stride(0),
+        rows.masks.stride(0),
+        rows.masks.stride(1),
+        GROUPS=groups,
+        HEAD_DIM=d,
+        HEAD_DIM_P=head_dim_p,
+        PAGE=page,
+        BLOCK_Q=rows.block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=config.block_n,
+        UPCAST=upcast,
+        SPLIT=splits > 1,
+        K_ROWS=config.k_rows,
+        PREFIX_PHASE=config.prefix_phase,
+        num_warps=warps,
+        **stages,
+    )
     if splits > 1:
         _merge_splits_kernel[(tiles, kv_heads)](
-            output, rows.tiles, rows.requests, partial, stats, splits, output.stride(0),
-            output.stride(1), GROUPS=groups, HEAD_DIM=d, HEAD_DIM_P=head_dim_p,
-            BLOCK_Q=rows.block_q, BLOCK_M=block_m, num_warps=warps)
+            output,
+            rows.tiles,
+            rows.requests,
+            partial,
+            stats,
+            splits,
+            output.stride(0),
+            output.stride(1),
+            GROUPS=groups,
+            HEAD_DIM=d,
+            HEAD_DIM_P=head_dim_p,
+            BLOCK_Q=rows.block_q,
+            BLOCK_M=block_m,
+            num_warps=warps,
+        )

@@ -44,8 +44,11 @@ class VerifiedTree:
 def chain_tree(draft_token_ids: list[int]) -> StoredTree:
     """Drafts laid out as a chain (node i's parent is i - 1); the root token is never matched."""
     n = len(draft_token_ids)
-    return StoredTree([0] + list(draft_token_ids), list(range(-1, n)),
-                      torch.ones(n + 1, n + 1, dtype=torch.bool).tril())
+    return StoredTree(
+        [0] + list(draft_token_ids),
+        list(range(-1, n)),
+        torch.ones(n + 1, n + 1, dtype=torch.bool).tril(),
+    )
 
 
 @dataclass
@@ -80,8 +83,11 @@ class VerifyRows:
             for i in has:
                 parents += trees[i].tree.parents[: counts[i]]
                 tokens += trees[i].tree.tokens[: counts[i]]
-            rows = np.concatenate([np.arange(start[i], start[i + 1]) for i in has]) \
-                if len(has) < len(trees) else np.arange(n)
+            rows = (
+                np.concatenate([np.arange(start[i], start[i + 1]) for i in has])
+                if len(has) < len(trees)
+                else np.arange(n)
+            )
             parent_local[rows] = parents
             token[rows] = tokens
         parent = np.where(parent_local >= 0, start[request] + parent_local, -1)
@@ -121,8 +127,12 @@ def accepted_paths(rows: VerifyRows, draws: np.ndarray, has_tree: np.ndarray) ->
         if not alive.any():
             break
         at = np.where(alive, cur, 0)
-        hit = (rows.parent >= 0) & (rows.parent == cur[rows.request]) \
-            & (rows.token == draws[at][rows.request]) & alive[rows.request]
+        hit = (
+            (rows.parent >= 0)
+            & (rows.parent == cur[rows.request])
+            & (rows.token == draws[at][rows.request])
+            & alive[rows.request]
+        )
         first = np.full(num, len(order), dtype=np.int64)
         np.minimum.at(first, rows.request[hit], order[hit])
         cur = np.where(first < len(order), first, -1)
@@ -130,8 +140,15 @@ def accepted_paths(rows: VerifyRows, draws: np.ndarray, has_tree: np.ndarray) ->
     return path
 
 
-def _draw_in_chunks(logits, rows: VerifyRows, row_request, host_request, sampling_metadata,
-                    topk_topp_sampler, chunk: int):
+def _draw_in_chunks(
+    logits,
+    rows: VerifyRows,
+    row_request,
+    host_request,
+    sampling_metadata,
+    topk_topp_sampler,
+    chunk: int,
+):
     """The target's draw at every row, `chunk` rows of fp32 work at a time: vLLM's rules
     (`constrain`), then its sampler; returns (draws per chunk on the device, seeded requests'
     `SeededDraws`)."""
@@ -144,24 +161,42 @@ def _draw_in_chunks(logits, rows: VerifyRows, row_request, host_request, samplin
             path_tokens.append(rows.path_tokens(vocab))
         return path_tokens[0][a:b]
 
-    seeded, row_generators = seeded_draws(rows, sampling_metadata, topk_topp_sampler, vocab,
-                                          logits.device)
+    seeded, row_generators = seeded_draws(
+        rows, sampling_metadata, topk_topp_sampler, vocab, logits.device
+    )
     draws = []
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
-        constrained = constrain(logits[start:stop], row_request[start:stop],
-                                host_request[start:stop], rows.depth[start:stop],
-                                functools.partial(paths, start, stop), sampling_metadata,
-                                penalties)
+        constrained = constrain(
+            logits[start:stop],
+            row_request[start:stop],
+            host_request[start:stop],
+            rows.depth[start:stop],
+            functools.partial(paths, start, stop),
+            sampling_metadata,
+            penalties,
+        )
         generators = {row - start: g for row, g in row_generators.items() if start <= row < stop}
-        draws.append(draw_target_tokens(constrained, row_request[start:stop], generators,
-                                        sampling_metadata, topk_topp_sampler))
+        draws.append(
+            draw_target_tokens(
+                constrained,
+                row_request[start:stop],
+                generators,
+                sampling_metadata,
+                topk_topp_sampler,
+            )
+        )
     return draws, seeded
 
 
-def sample_then_match(trees: list[VerifiedTree | None], num_draft: list[int],
-                      logits: torch.Tensor, sampling_metadata, topk_topp_sampler,
-                      max_rows: int | None = None) -> WalkResult:
+def sample_then_match(
+    trees: list[VerifiedTree | None],
+    num_draft: list[int],
+    logits: torch.Tensor,
+    sampling_metadata,
+    topk_topp_sampler,
+    max_rows: int | None = None,
+) -> WalkResult:
     """Draw the target's token at every node, then walk each tree along the draws.
 
     trees: [B] the verifying tree of each request (None: no drafts); num_draft: [B] its
@@ -179,8 +214,15 @@ def sample_then_match(trees: list[VerifiedTree | None], num_draft: list[int],
         draws = [logits.argmax(dim=-1)]
         seeded = {}
     else:
-        draws, seeded = _draw_in_chunks(logits, rows, row_request, host_request,
-                                        sampling_metadata, topk_topp_sampler, max_rows or n)
+        draws, seeded = _draw_in_chunks(
+            logits,
+            rows,
+            row_request,
+            host_request,
+            sampling_metadata,
+            topk_topp_sampler,
+            max_rows or n,
+        )
     drawn = (draws[0] if len(draws) == 1 else torch.cat(draws)).cpu().numpy()  # the one read
     has_tree = np.array([v is not None for v in trees], dtype=bool)  # [B]
     path = accepted_paths(rows, drawn, has_tree)
@@ -197,13 +239,15 @@ def sample_then_match(trees: list[VerifiedTree | None], num_draft: list[int],
     walked = [(path[i, : lengths[i] - 1] - rows.start[i]).tolist() for i in range(len(trees))]
     for i, s in seeded.items():  # the generator has made one draw per emitted token
         s.commit(int(lengths[i]))
-    moves = [KvMove(v.req_index, v.root, p) for v, p in zip(trees, walked)
-             if v is not None and v.compact and p != list(range(1, len(p) + 1))]
+    moves = [
+        KvMove(v.req_index, v.root, p)
+        for v, p in zip(trees, walked)
+        if v is not None and v.compact and p != list(range(1, len(p) + 1))
+    ]
     return WalkResult(torch.from_numpy(out), torch.from_numpy(at), walked, moves)
 
 
-def draws_at_widest(logits: torch.Tensor, num_requests: int, rows: int,
-                    topk_topp_sampler) -> None:
+def draws_at_widest(logits: torch.Tensor, num_requests: int, rows: int, topk_topp_sampler) -> None:
     """The largest temporaries a verify's draws make past its logits (`_draw_in_chunks`),
     made on `logits` (random, [N, V]) for the start-up memory profile: the step's penalty
     inputs over `num_requests` requests and one chunk of `rows` rows penalized in fp32
@@ -222,8 +266,14 @@ class SeededDraws:
     depth-j node draws with plain's j-th noise; `commit(e)` leaves the generator where plain's
     is after e tokens. docs/losslessness.md, "Seeded requests"."""
 
-    def __init__(self, generator: torch.Generator, num_draws: int, topk_topp_sampler,
-                 vocab_size: int, device: torch.device):
+    def __init__(
+        self,
+        generator: torch.Generator,
+        num_draws: int,
+        topk_topp_sampler,
+        vocab_size: int,
+        device: torch.device,
+    ):
         self.generator = generator
         self.states = [generator.get_state()]
         dummy = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
@@ -241,25 +291,30 @@ class SeededDraws:
         self.generator.set_state(self.states[num_emitted])
 
 
-def seeded_draws(rows: VerifyRows, sampling_metadata, topk_topp_sampler, vocab_size: int,
-                 device: torch.device
-                 ) -> tuple[dict[int, SeededDraws], dict[int, torch.Generator]]:
+def seeded_draws(
+    rows: VerifyRows, sampling_metadata, topk_topp_sampler, vocab_size: int, device: torch.device
+) -> tuple[dict[int, SeededDraws], dict[int, torch.Generator]]:
     """Per seeded request (batch index) its `SeededDraws`, and per logits row of it the
     generator in the state of plain's draw at that row's depth."""
     if sampling_metadata.all_greedy:
         return {}, {}
     seeded, row_generators = {}, {}
     for r, gen in sampling_metadata.generators.items():
-        depths = rows.depth[rows.start[r]: rows.start[r + 1]].tolist()
+        depths = rows.depth[rows.start[r] : rows.start[r + 1]].tolist()
         seeded[r] = SeededDraws(gen, max(depths) + 1, topk_topp_sampler, vocab_size, device)
-        row_generators.update({int(rows.start[r]) + j: seeded[r].at_depth(d)
-                               for j, d in enumerate(depths)})
+        row_generators.update(
+            {int(rows.start[r]) + j: seeded[r].at_depth(d) for j, d in enumerate(depths)}
+        )
     return seeded, row_generators
 
 
-def draw_target_tokens(logits: torch.Tensor, row_request: torch.Tensor,
-                       row_generators: dict[int, torch.Generator], sampling_metadata,
-                       topk_topp_sampler) -> torch.Tensor:
+def draw_target_tokens(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    row_generators: dict[int, torch.Generator],
+    sampling_metadata,
+    topk_topp_sampler,
+) -> torch.Tensor:
     """One target token per logits row, as vLLM's `Sampler.sample` draws it: argmax for greedy
     requests; else temperature, then vLLM's own TopKTopPSampler (top-k/top-p, the draw).
     logits: [R, V]; row_request: [R] on the logits' device, the batch index of each row;
@@ -273,6 +328,7 @@ def draw_target_tokens(logits: torch.Tensor, row_request: torch.Tensor,
     temperature = expand(sampling_metadata.temperature)
     is_greedy = temperature < _SAMPLING_EPS
     scaled = logits.float() / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1)
-    sampled, _ = topk_topp_sampler(scaled, row_generators, expand(sampling_metadata.top_k),
-                                   expand(sampling_metadata.top_p))
+    sampled, _ = topk_topp_sampler(
+        scaled, row_generators, expand(sampling_metadata.top_k), expand(sampling_metadata.top_p)
+    )
     return torch.where(is_greedy, greedy, sampled)

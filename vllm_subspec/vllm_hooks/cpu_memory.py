@@ -17,13 +17,15 @@ def kv_room_and_need(vllm_config) -> tuple[int | None, int]:
 
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     # vLLM's own measure of one max_model_len request (what its KV sizing checks it against)
-    spec = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(pc),
-                             head_size=mc.get_head_size(),
-                             dtype=kv_cache_dtype_str_to_dtype(cc.cache_dtype, mc))
+    spec = FullAttentionSpec(
+        block_size=cc.block_size,
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_size=mc.get_head_size(),
+        dtype=kv_cache_dtype_str_to_dtype(cc.cache_dtype, mc),
+    )
     # plus the null block the block pool holds back
     # (vllm.v1.core.kv_cache_utils.check_enough_kv_cache_memory)
-    need = mc.get_num_layers(pc) * (spec.max_memory_usage_bytes(vllm_config)
-                                    + spec.page_size_bytes)
+    need = mc.get_num_layers(pc) * (spec.max_memory_usage_bytes(vllm_config) + spec.page_size_bytes)
     if cc.kv_cache_memory_bytes is not None:
         return None, need
     # the worker's own formula (vllm.v1.worker.cpu_worker.CPUWorker: requested_cpu_memory in

@@ -56,21 +56,27 @@ def draft_structure(substitutes: SubstituteSet) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def build_draft_model(target: nn.Module, substitutes: SubstituteSet, device: torch.device,
-                      vllm_config) -> DraftModel:
+def build_draft_model(
+    target: nn.Module, substitutes: SubstituteSet, device: torch.device, vllm_config
+) -> DraftModel:
     """The draft as the engine runs it: compiled in vLLM's compile mode, with a config of its
     own (the engine's, plus `STRUCTURE_KEY`) and a model tag naming its structure, under which
     vLLM's AOT and per-tag caches keep its artifacts; the engine's config is not changed."""
     structure = draft_structure(substitutes)
     draft_config = copy.copy(vllm_config)  # shallow: the same sub-configs, its own extras
-    draft_config.additional_config = {**(vllm_config.additional_config or {}),
-                                      STRUCTURE_KEY: structure}
-    with set_current_vllm_config(draft_config), \
-            set_model_tag(f"{DRAFT_MODEL_TAG}_{structure}"):
+    draft_config.additional_config = {
+        **(vllm_config.additional_config or {}),
+        STRUCTURE_KEY: structure,
+    }
+    with set_current_vllm_config(draft_config), set_model_tag(f"{DRAFT_MODEL_TAG}_{structure}"):
         # (vLLM's support_torch_compile adds the vllm_config and prefix arguments)
-        model = CompiledDraftModel(target=target, substitutes=substitutes,  # type: ignore[call-arg]
-                                   device=device, vllm_config=draft_config,
-                                   prefix=DRAFT_MODEL_TAG)
+        model = CompiledDraftModel(
+            target=target,
+            substitutes=substitutes,  # type: ignore[call-arg]
+            device=device,
+            vllm_config=draft_config,
+            prefix=DRAFT_MODEL_TAG,
+        )
     if device.type == "cpu" and vllm_config.compilation_config.mode == CompilationMode.NONE:
         cpu_fused_norms([model.layers[i] for i in model.substituted])
     return model

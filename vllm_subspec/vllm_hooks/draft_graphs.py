@@ -12,13 +12,17 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 
-def draft_cudagraph_mode(compilation_config, cudagraph_mode: CUDAGraphMode,
-                         breakable: bool) -> CUDAGraphMode:
+def draft_cudagraph_mode(
+    compilation_config, cudagraph_mode: CUDAGraphMode, breakable: bool
+) -> CUDAGraphMode:
     """The mode the drafter's graph keys are made for: the runner's where the draft forward
     has piecewise pieces to capture (vLLM's compile mode, a piecewise runner mode, no
     breakable graphs: these wrap the drafter's whole model), else NONE. docs/gpu.md."""
-    pieces = compilation_config.mode == CompilationMode.VLLM_COMPILE \
-        and cudagraph_mode.has_piecewise_cudagraphs() and not breakable
+    pieces = (
+        compilation_config.mode == CompilationMode.VLLM_COMPILE
+        and cudagraph_mode.has_piecewise_cudagraphs()
+        and not breakable
+    )
     return cudagraph_mode if pieces else CUDAGraphMode.NONE
 
 
@@ -27,12 +31,19 @@ def dispatched(dispatcher, num_tokens: int, use_cudagraphs: bool) -> tuple[CUDAG
     `_determine_batch_execution_and_padding` synchronizes data-parallel ranks per forward, and
     a rank's draft passes are its own."""
     mode, batch = dispatcher.dispatch(
-        num_tokens, valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE})
+        num_tokens, valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE}
+    )
     return mode, batch.num_tokens
 
 
-def replay_or_eager(mode: CUDAGraphMode, padded: int, num_tokens: int, on_cuda: bool,
-                    captured: set[int], prompt_logprobs: bool) -> tuple[CUDAGraphMode, int]:
+def replay_or_eager(
+    mode: CUDAGraphMode,
+    padded: int,
+    num_tokens: int,
+    on_cuda: bool,
+    captured: set[int],
+    prompt_logprobs: bool,
+) -> tuple[CUDAGraphMode, int]:
     """The dispatcher's (mode, padded rows), or eager at `num_tokens` on CUDA for a bucket the
     capture phase did not capture (capturing on a miss raises there) and while a request asks
     for prompt logprobs (a replay may write over the target's last output in the shared
@@ -50,10 +61,16 @@ def capture_bucket(drafter, mode: CUDAGraphMode, padded: int) -> None:
     drafter.captured_buckets.add(padded)
     slots = drafter._slot_mapping_buffer[:padded].fill_(PADDING_SLOT_ID)
     for run_mode in (CUDAGraphMode.NONE, mode):
-        with set_forward_context(None, drafter.vllm_config, num_tokens=padded,
-                                 cudagraph_runtime_mode=run_mode,
-                                 slot_mapping={n: slots for n in
-                                               drafter._draft_attn_layer_names}), \
-                drafter.drafting():
-            drafter.model(input_ids=drafter.input_ids[:padded],
-                          positions=drafter.positions[:padded])
+        with (
+            set_forward_context(
+                None,
+                drafter.vllm_config,
+                num_tokens=padded,
+                cudagraph_runtime_mode=run_mode,
+                slot_mapping={n: slots for n in drafter._draft_attn_layer_names},
+            ),
+            drafter.drafting(),
+        ):
+            drafter.model(
+                input_ids=drafter.input_ids[:padded], positions=drafter.positions[:padded]
+            )

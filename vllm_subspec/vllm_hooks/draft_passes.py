@@ -25,9 +25,17 @@ from vllm_subspec.step.tree_attention import TreePlan, TreeRows, tree_plan
 
 # CommonAttentionMetadata's per-request fields besides those a tree pass sets itself: the ones
 # its `unpadded` slices per request (`CommonAttentionMetadata.unpadded`, 0.32.0)
-PER_REQUEST_FIELDS = ("causal", "encoder_seq_lens", "encoder_seq_lens_cpu", "dcp_local_seq_lens",
-                      "dcp_local_seq_lens_cpu_upper_bound", "is_prefilling", "req_idx",
-                      "rswa_prefix_lens", "replayssm_decode_base_cpu")
+PER_REQUEST_FIELDS = (
+    "causal",
+    "encoder_seq_lens",
+    "encoder_seq_lens_cpu",
+    "dcp_local_seq_lens",
+    "dcp_local_seq_lens_cpu_upper_bound",
+    "is_prefilling",
+    "req_idx",
+    "rswa_prefix_lens",
+    "replayssm_decode_base_cpu",
+)
 
 
 def bonus_token_metadata(drafter, cad, num_rejected_tokens_gpu):
@@ -58,8 +66,17 @@ def bonus_token_metadata(drafter, cad, num_rejected_tokens_gpu):
     return decode_cad, last_verified
 
 
-def tree_pass_metadata(drafter, cad, seq_lens, block_table, slots, k: int,
-                       active: list[int] | None, rows: torch.Tensor | None, max_seq_len: int):
+def tree_pass_metadata(
+    drafter,
+    cad,
+    seq_lens,
+    block_table,
+    slots,
+    k: int,
+    active: list[int] | None,
+    rows: torch.Tensor | None,
+    max_seq_len: int,
+):
     """Metadata of a pass over k query tokens per request, each request's context ending
     at `seq_lens` (its last node's slot + 1; at most `max_seq_len`). seq_lens,
     block_table, slots: of the requests drafting, `active` (batch indices; None: all;
@@ -70,8 +87,7 @@ def tree_pass_metadata(drafter, cad, seq_lens, block_table, slots, k: int,
         for name in PER_REQUEST_FIELDS:
             value = getattr(cad, name)
             if isinstance(value, torch.Tensor):  # host fields by the list: no copy
-                per_request[name] = value[active] if value.device.type == "cpu" \
-                    else value[rows]
+                per_request[name] = value[active] if value.device.type == "cpu" else value[rows]
             elif isinstance(value, np.ndarray):
                 per_request[name] = value[active]
     return dataclasses.replace(
@@ -108,8 +124,9 @@ class VllmDraftPasses:
         self._root: torch.Tensor | None = None  # [B] L
         self._active: tuple[list[int] | None, torch.Tensor | None] = (None, None)
 
-    def _forward(self, cad, input_ids: torch.Tensor, draft_index: int,
-                 eager: bool = False) -> torch.Tensor:
+    def _forward(
+        self, cad, input_ids: torch.Tensor, draft_index: int, eager: bool = False
+    ) -> torch.Tensor:
         """One draft forward over cad's tokens (positions already in the drafter's
         `positions`), padded to its bucket (`SubSpecProposer.draft_bucket`; padding rows write
         no KV and are attended by nothing); returns the hidden states of cad's tokens (on CUDA
@@ -117,18 +134,22 @@ class VllmDraftPasses:
         d = self.drafter
         num_tokens = cad.num_actual_tokens
         _, per_layer_metadata = d.build_per_group_and_layer_attn_metadata(
-            cad, draft_index=draft_index)
+            cad, draft_index=draft_index
+        )
         mode, padded = d.draft_bucket(num_tokens, use_cudagraphs=not eager)
         if mode != CUDAGraphMode.NONE:
             d.session.stats.draft_graph_passes += 1
         d.input_ids[:num_tokens] = input_ids
-        with set_forward_context(
-            per_layer_metadata,
-            d.vllm_config,
-            num_tokens=padded,
-            cudagraph_runtime_mode=mode,
-            slot_mapping=d._get_slot_mapping(padded, cad.slot_mapping),
-        ), d.drafting():
+        with (
+            set_forward_context(
+                per_layer_metadata,
+                d.vllm_config,
+                num_tokens=padded,
+                cudagraph_runtime_mode=mode,
+                slot_mapping=d._get_slot_mapping(padded, cad.slot_mapping),
+            ),
+            d.drafting(),
+        ):
             hidden = d.model(input_ids=d.input_ids[:padded], positions=d.positions[:padded])
         return hidden[:num_tokens]
 
@@ -137,7 +158,8 @@ class VllmDraftPasses:
         max_model_len)."""
         b = self.cad.batch_size()
         return self.drafter._update_positions_dependent_metadata(
-            self.positions, self.cad, b, b, self.drafter.block_size)
+            self.positions, self.cad, b, b, self.drafter.block_size
+        )
 
     def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.positions = self._advance()
@@ -148,8 +170,9 @@ class VllmDraftPasses:
         self.positions = self._advance()
         return self._forward(self.cad, input_ids, index)
 
-    def level_pass(self, depth: int, width: int, tokens: torch.Tensor,
-                   active: list[int] | None) -> torch.Tensor:
+    def level_pass(
+        self, depth: int, width: int, tokens: torch.Tensor, active: list[int] | None
+    ) -> torch.Tensor:
         d, cad = self.drafter, self.cad
         rows = self._rows(active)
         root = self._root if rows is None else self._root[rows]
@@ -160,9 +183,17 @@ class VllmDraftPasses:
         slots = logical_to_slots(table, root[:, None] + offsets, d.block_size)  # L + i
         n = root.shape[0] * width
         d.positions[:n] = (root[:, None] + depth).expand(-1, width).reshape(-1)
-        step_cad = tree_pass_metadata(d, cad, root + 1 + depth * width, table,
-                                      slots.reshape(-1), width, active, rows,
-                                      min(cad.max_seq_len + depth * width, d.max_model_len))
+        step_cad = tree_pass_metadata(
+            d,
+            cad,
+            root + 1 + depth * width,
+            table,
+            slots.reshape(-1),
+            width,
+            active,
+            rows,
+            min(cad.max_seq_len + depth * width, d.max_model_len),
+        )
         return self._forward(step_cad, tokens, depth)
 
     def roots_without_pass(self) -> torch.Tensor:
@@ -170,8 +201,7 @@ class VllmDraftPasses:
         self._root = self.positions.clone()
         return self._root
 
-    def tree_rows(self, row: int, q_start: int, request: int, root, mask: torch.Tensor
-                  ) -> TreeRows:
+    def tree_rows(self, row: int, q_start: int, request: int, root, mask: torch.Tensor) -> TreeRows:
         return TreeRows(row, q_start, root, mask)
 
     def logits(self, hidden: torch.Tensor, lm_head: str | None) -> torch.Tensor:
@@ -220,9 +250,15 @@ class VllmHeadPasses(VllmDraftPasses):
         self._frames = [h.frame(device) for h in heads]
         self._root_pos: torch.Tensor | None = None
 
-    def _pass(self, logical: list[list[int]], positions: list[list[int]], tokens,
-              rows: list[TreeRows] | None, active: list[int] | None, draft_index: int
-              ) -> torch.Tensor:
+    def _pass(
+        self,
+        logical: list[list[int]],
+        positions: list[list[int]],
+        tokens,
+        rows: list[TreeRows] | None,
+        active: list[int] | None,
+        draft_index: int,
+    ) -> torch.Tensor:
         """One eager forward: row r of request j at `logical[j][r]` (its KV slot), RoPE
         position `positions[j][r]`, attending as `rows[j]` says (None: the level pass's plan
         `draft_tree` made active, from `tree_rows`)."""
@@ -238,11 +274,20 @@ class VllmHeadPasses(VllmDraftPasses):
         d.positions[:n] = both[1].reshape(-1)
         ends = [row[-1] + 1 for row in logical]
         seq_lens = to_device(torch.tensor(ends, dtype=torch.int64), table.device)
-        batch_rows = [self._batch_rows[j] for j in (range(len(self.heads)) if active is None
-                                                    else active)]
-        step_cad = tree_pass_metadata(d, self.cad, seq_lens, table, slots, k, batch_rows,
-                                      device_index(batch_rows, table.device),
-                                      min(max(ends), d.max_model_len))
+        batch_rows = [
+            self._batch_rows[j] for j in (range(len(self.heads)) if active is None else active)
+        ]
+        step_cad = tree_pass_metadata(
+            d,
+            self.cad,
+            seq_lens,
+            table,
+            slots,
+            k,
+            batch_rows,
+            device_index(batch_rows, table.device),
+            min(max(ends), d.max_model_len),
+        )
         if rows is None:
             return self._forward(step_cad, tokens, draft_index, eager=True)
         with tree_plan(TreePlan(rows)):
@@ -251,19 +296,34 @@ class VllmHeadPasses(VllmDraftPasses):
     def leaf_pass(self, tokens: list[int]) -> torch.Tensor:
         ids = to_device(torch.tensor(tokens, dtype=torch.int64), self._table.device)
         device = self._table.device
-        return self._pass([[h.leaf_slot] for h in self.heads],
-                          [[h.root + h.leaf_depth] for h in self.heads], ids,
-                          [h.rows(j, j, torch.ones(1, 0, dtype=torch.bool, device=device), f)
-                           for j, (h, f) in enumerate(zip(self.heads, self._frames))], None, 0)
+        return self._pass(
+            [[h.leaf_slot] for h in self.heads],
+            [[h.root + h.leaf_depth] for h in self.heads],
+            ids,
+            [
+                h.rows(j, j, torch.ones(1, 0, dtype=torch.bool, device=device), f)
+                for j, (h, f) in enumerate(zip(self.heads, self._frames))
+            ],
+            None,
+            0,
+        )
 
     def bonus_pass(self, next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = self._table.device
-        hidden = self._pass([[h.node_slot(0)] for h in self.heads],
-                            [[h.next_root] for h in self.heads], next_token_ids,
-                            [h.rows(j, j, torch.ones(1, 1, dtype=torch.bool, device=device), f)
-                             for j, (h, f) in enumerate(zip(self.heads, self._frames))], None, 0)
-        self._root_pos = to_device(torch.tensor([h.next_root for h in self.heads]),
-                                   self._table.device)
+        hidden = self._pass(
+            [[h.node_slot(0)] for h in self.heads],
+            [[h.next_root] for h in self.heads],
+            next_token_ids,
+            [
+                h.rows(j, j, torch.ones(1, 1, dtype=torch.bool, device=device), f)
+                for j, (h, f) in enumerate(zip(self.heads, self._frames))
+            ],
+            None,
+            0,
+        )
+        self._root_pos = to_device(
+            torch.tensor([h.next_root for h in self.heads]), self._table.device
+        )
         return hidden, self._root_pos
 
     def chain_pass(self, index: int, input_ids: torch.Tensor) -> torch.Tensor:
@@ -272,17 +332,22 @@ class VllmHeadPasses(VllmDraftPasses):
     def roots_without_pass(self) -> torch.Tensor:
         raise NotImplementedError("a head start drafts its tree's first levels itself")
 
-    def level_pass(self, depth: int, width: int, tokens: torch.Tensor,
-                   active: list[int] | None) -> torch.Tensor:
+    def level_pass(
+        self, depth: int, width: int, tokens: torch.Tensor, active: list[int] | None
+    ) -> torch.Tensor:
         level = TreeShape(width, depth).level(depth)
         members = range(len(self.heads)) if active is None else active
         nodes = list(range(level.start, level.stop))
-        return self._pass([[self.heads[j].node_slot(i) for i in nodes] for j in members],
-                          [[self.heads[j].next_root + depth] * width for j in members],
-                          tokens, None, None if active is None else list(active), depth)
+        return self._pass(
+            [[self.heads[j].node_slot(i) for i in nodes] for j in members],
+            [[self.heads[j].next_root + depth] * width for j in members],
+            tokens,
+            None,
+            None if active is None else list(active),
+            depth,
+        )
 
-    def tree_rows(self, row: int, q_start: int, request: int, root, mask: torch.Tensor
-                  ) -> TreeRows:
+    def tree_rows(self, row: int, q_start: int, request: int, root, mask: torch.Tensor) -> TreeRows:
         return self.heads[request].rows(row, q_start, mask, self._frames[request])
 
     def root_bounds(self, roots: torch.Tensor) -> list[int]:

@@ -32,8 +32,9 @@ from vllm_subspec.step.verify import draws_at_widest
 from vllm_subspec.vllm_hooks.head_start_stream import HeadStartStream
 
 
-def build_substitutes(target: nn.Module, options: SubSpecOptions, vllm_config,
-                      device: torch.device, process_weights) -> SubstituteSet:
+def build_substitutes(
+    target: nn.Module, options: SubSpecOptions, vllm_config, device: torch.device, process_weights
+) -> SubstituteSet:
     """From the target's raw weights, before vLLM processes them (`process_weights()`;
     the CPU backend repacks linears there); on CPU the draft's host memory is planned
     against the KV cache vLLM's CPU worker will size."""
@@ -52,28 +53,43 @@ def draft_attention_layers(vllm_config, target: nn.Module) -> set[str]:
     write through them): vLLM's `_draft_attn_layer_names` for the drafter."""
     target_attn = {id(layer.self_attn.attn) for layer in decoder_layers(target)}
     all_attn = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
-    names = {name for name, module in all_attn.items()
-             if id(module) in target_attn and module.get_kv_cache_spec(vllm_config) is not None}
+    names = {
+        name
+        for name, module in all_attn.items()
+        if id(module) in target_attn and module.get_kv_cache_spec(vllm_config) is not None
+    }
     if len(names) != len(target_attn):
         raise RuntimeError("vllm-subspec: could not map every decoder layer to its attention")
     return names
 
 
-def warm_up_kernels(substitutes: SubstituteSet, options: SubSpecOptions, vllm_config,
-                    device: torch.device) -> None:
+def warm_up_kernels(
+    substitutes: SubstituteSet, options: SubSpecOptions, vllm_config, device: torch.device
+) -> None:
     """On CUDA: GemLite compiles per row-count bucket, so its kernels are warmed up now, with
     the autotuning of earlier starts (kept in the substitute cache's folder), at the draft's
     row counts and the buckets draft graphs pad to."""
     kernels = [s.kernel for s in substitutes.every()]
     with gemlite_autotune_kept(gemlite_autotune_path(options, kernels, device)):
-        substitutes.warm_up(vllm_config.scheduler_config.max_num_seqs, options.widths,
-                            vllm_config.model_config.dtype, device,
-                            vllm_config.compilation_config.cudagraph_capture_sizes or ())
+        substitutes.warm_up(
+            vllm_config.scheduler_config.max_num_seqs,
+            options.widths,
+            vllm_config.model_config.dtype,
+            device,
+            vllm_config.compilation_config.cudagraph_capture_sizes or (),
+        )
 
 
-def time_lm_heads(heads, compute_logits: Callable, widest: int, max_rows: int,
-                  hidden_size: int, dtype: torch.dtype, device: torch.device,
-                  repeats: int = 3) -> None:
+def time_lm_heads(
+    heads,
+    compute_logits: Callable,
+    widest: int,
+    max_rows: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int = 3,
+) -> None:
     """Each of `heads`' lm_heads (the tuner's `LmHeadChoice`) timed at 1, k and 4k rows (k:
     `widest`, the widest width; at most `max_rows`) for the tuner's choice between them; at
     load, where waiting for the device costs nothing."""
@@ -91,10 +107,20 @@ def time_lm_heads(heads, compute_logits: Callable, widest: int, max_rows: int,
     heads.start_with_cheaper(widest)
 
 
-def allocate_peak_temporaries(options: SubSpecOptions, vllm_config, hidden_size: int,
-                              dtype: torch.dtype, device: torch.device, *, draft_rows: int,
-                              verify_rows: int, draw_rows: int, compute_logits: Callable,
-                              head_stream: HeadStartStream, topk_topp_sampler) -> None:
+def allocate_peak_temporaries(
+    options: SubSpecOptions,
+    vllm_config,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    draft_rows: int,
+    verify_rows: int,
+    draw_rows: int,
+    compute_logits: Callable,
+    head_stream: HeadStartStream,
+    topk_topp_sampler,
+) -> None:
     """What a step allocates past its forwards, at its widest, for vLLM's memory profile:
     the verify's logits (`verify_rows` rows), which the runner holds through the next
     drafting, and, while they are held, first the draft's widest level past its layers
@@ -108,18 +134,37 @@ def allocate_peak_temporaries(options: SubSpecOptions, vllm_config, hidden_size:
     batch = min(sc.max_num_seqs, max(1, draft_rows // k))
     vocab = vllm_config.model_config.get_vocab_size()
     verify_logits = torch.rand(verify_rows, vocab, dtype=dtype, device=device)
-    compared = min(COMPARED_REQUESTS, sc.max_num_seqs) \
-        if options.is_tree and len(options.draft_lm_heads) > 1 else 0
-    head_start = _widest_draft_level(options, batch, k, compared * (options.num_draft_tokens + 1),
-                                     hidden_size, dtype, device, compute_logits, head_stream)
-    draws_at_widest(verify_logits, sc.max_num_seqs, min(draw_rows, verify_rows),
-                    topk_topp_sampler)
+    compared = (
+        min(COMPARED_REQUESTS, sc.max_num_seqs)
+        if options.is_tree and len(options.draft_lm_heads) > 1
+        else 0
+    )
+    head_start = _widest_draft_level(
+        options,
+        batch,
+        k,
+        compared * (options.num_draft_tokens + 1),
+        hidden_size,
+        dtype,
+        device,
+        compute_logits,
+        head_stream,
+    )
+    draws_at_widest(verify_logits, sc.max_num_seqs, min(draw_rows, verify_rows), topk_topp_sampler)
     del head_start
 
 
-def _widest_draft_level(options: SubSpecOptions, batch: int, k: int, compared_rows: int,
-                        hidden_size: int, dtype: torch.dtype, device: torch.device,
-                        compute_logits: Callable, head_stream: HeadStartStream):
+def _widest_draft_level(
+    options: SubSpecOptions,
+    batch: int,
+    k: int,
+    compared_rows: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    compute_logits: Callable,
+    head_stream: HeadStartStream,
+):
     """The draft's widest level past its layers, for `batch` requests of width k: its logits,
     `tree.widest_level` over them (sharpened fp32 log-probabilities, top-k over k x V
     candidates), beside a compared step's kept hidden states (`compared_rows`); all freed on
@@ -133,8 +178,7 @@ def _widest_draft_level(options: SubSpecOptions, batch: int, k: int, compared_ro
         # allocator keeps apart
         with head_stream.profiling():
             head_logits = compute_logits(hidden)
-            head_start = (head_logits, sharpened_log_probs(head_logits,
-                                                           options.draft_temperature))
+            head_start = (head_logits, sharpened_log_probs(head_logits, options.draft_temperature))
     logits = compute_logits(hidden)
     if k > 1:  # a chain's argmax adds nothing beyond its logits
         widest_level(logits, batch, k, options.draft_temperature)

@@ -26,9 +26,9 @@ from vllm_subspec.config import (
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handlers, level
 
 
-def translate_speculative_config(spec: dict, additional_config: dict | None,
-                                 target_model_config, target_parallel_config
-                                 ) -> tuple[dict, dict, SubSpecOptions]:
+def translate_speculative_config(
+    spec: dict, additional_config: dict | None, target_model_config, target_parallel_config
+) -> tuple[dict, dict, SubSpecOptions]:
     """`method` is a pydantic Literal, so "subspec" cannot reach SpeculativeConfig. Validate the
     SubSpec keys, move them to additional_config["subspec"] (which reaches every process), and
     hand vLLM a draft_model config whose "draft" is the target: that gives SubSpec lookahead KV
@@ -45,8 +45,11 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
         target_parallel_config.pipeline_parallel_size,
         options.bits,
     )
-    check_tensor_parallel_shards(target_model_config.hf_config,
-                                 target_parallel_config.tensor_parallel_size, options.group_size)
+    check_tensor_parallel_shards(
+        target_model_config.hf_config,
+        target_parallel_config.tensor_parallel_size,
+        options.group_size,
+    )
     refusals.refuse_quantized_target(getattr(target_model_config, "quantization", None))
     refusals.refuse_logprobs_mode(str(target_model_config.logprobs_mode))
     import vllm.envs as envs
@@ -64,8 +67,9 @@ def translate_speculative_config(spec: dict, additional_config: dict | None,
     return vllm_spec, additional, options
 
 
-def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_config,
-                         target_parallel_config, platform) -> None:
+def apply_platform_rules(
+    engine_args, options: SubSpecOptions, target_model_config, target_parallel_config, platform
+) -> None:
     """Set (or refuse) the engine arguments SubSpec needs on `platform` (vLLM's
     current_platform; tests pass a stand-in). Mutates `engine_args` (vLLM's EngineArgs) and
     the ParallelConfig vLLM has built from them (its worker class)."""
@@ -82,8 +86,7 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
         if platform.is_cpu():
             _drafts_with_samples(engine_args, target_parallel_config)
         return  # the CPU platform: no async scheduling, its own attention backend
-    _refuse_shared_head_starts(engine_args, options, target_model_config,
-                               target_parallel_config)
+    _refuse_shared_head_starts(engine_args, options, target_model_config, target_parallel_config)
     _offload_through_prefetch(engine_args, target_model_config, options)
     _require_offload(engine_args, options)
     _no_async_scheduling(engine_args)
@@ -91,14 +94,17 @@ def apply_platform_rules(engine_args, options: SubSpecOptions, target_model_conf
         return
     _pin_flash_attention(engine_args, target_model_config, platform)
     engine_args.compilation_config.cudagraph_mode = tree_cudagraph_mode(
-        engine_args.compilation_config.cudagraph_mode)
+        engine_args.compilation_config.cudagraph_mode
+    )
 
 
 def _refuse_context_parallel(parallel_config) -> None:
     """Context parallelism splits a request's KV positions over the ranks; the draft's KV moves
     and the tree's gather read every position of a rank's heads from its own cache."""
-    refusals.refuse_context_parallel(getattr(parallel_config, "decode_context_parallel_size", 1),
-                                     getattr(parallel_config, "prefill_context_parallel_size", 1))
+    refusals.refuse_context_parallel(
+        getattr(parallel_config, "decode_context_parallel_size", 1),
+        getattr(parallel_config, "prefill_context_parallel_size", 1),
+    )
 
 
 def _refuse_moe_extras(engine_args, target_model_config, target_parallel_config) -> None:
@@ -107,22 +113,28 @@ def _refuse_moe_extras(engine_args, target_model_config, target_parallel_config)
     if not architectures.is_moe(target_model_config.hf_config):
         return
     refusals.refuse_moe_extras(
-        getattr(engine_args, "enable_lora", False), target_parallel_config.enable_expert_parallel,
-        target_parallel_config.enable_eplb, target_parallel_config.data_parallel_size,
-        getattr(engine_args, "enable_return_routed_experts", False))
+        getattr(engine_args, "enable_lora", False),
+        target_parallel_config.enable_expert_parallel,
+        target_parallel_config.enable_eplb,
+        target_parallel_config.data_parallel_size,
+        getattr(engine_args, "enable_return_routed_experts", False),
+    )
 
 
-def _refuse_shared_head_starts(engine_args, options: SubSpecOptions, target_model_config,
-                               target_parallel_config) -> None:
+def _refuse_shared_head_starts(
+    engine_args, options: SubSpecOptions, target_model_config, target_parallel_config
+) -> None:
     """On CUDA head starts draft on a stream of their own beside the verify: nothing the two
     share may be written by both (step/head_start.py). A MoE target's fused experts take their
     scratch from one global workspace, tensor parallelism runs collectives on shared
     communicators (two in flight from two streams can deadlock), and a KV connector moves KV
     on its own schedule."""
     refusals.refuse_shared_head_starts(
-        options.head_start_levels, architectures.is_moe(target_model_config.hf_config),
+        options.head_start_levels,
+        architectures.is_moe(target_model_config.hf_config),
         target_parallel_config.tensor_parallel_size,
-        getattr(engine_args, "kv_transfer_config", None) is not None)
+        getattr(engine_args, "kv_transfer_config", None) is not None,
+    )
 
 
 def subspec_worker_cls(platform) -> str:
@@ -152,8 +164,7 @@ def _refuse_micro_batching(parallel_config) -> None:
     refusals.refuse_micro_batching(parallel_config.use_ubatching)
 
 
-def _offload_through_prefetch(engine_args, target_model_config,
-                              options: SubSpecOptions) -> None:
+def _offload_through_prefetch(engine_args, target_model_config, options: SubSpecOptions) -> None:
     """`--cpu-offload-gb N` with the offload backend left to "auto": as much GPU memory left as
     UVA would leave, offloaded through vLLM's prefetch offloader (`prefetch_plan`), whose copies
     of the next verify's first layers run while the draft drafts. Kept as vLLM chooses: a
@@ -167,40 +178,62 @@ def _offload_through_prefetch(engine_args, target_model_config,
     )
 
     gb = engine_args.cpu_offload_gb or 0
-    prefetch_set = engine_args.offload_group_size or engine_args.offload_num_in_group != 1 \
+    prefetch_set = (
+        engine_args.offload_group_size
+        or engine_args.offload_num_in_group != 1
         or engine_args.offload_prefetch_step != 1
-    if engine_args.offload_backend != "auto" or gb <= 0 or prefetch_set \
-            or engine_args.cpu_offload_params or engine_args.offload_params:
+    )
+    if (
+        engine_args.offload_backend != "auto"
+        or gb <= 0
+        or prefetch_set
+        or engine_args.cpu_offload_params
+        or engine_args.offload_params
+    ):
         if engine_args.offload_backend == "uva" and gb > 0:
-            logger.info("vllm-subspec: --offload-backend uva: the verify reads the offloaded "
-                        "weights over PCIe inside its kernels and nothing overlaps drafting "
-                        "(docs/gpu.md, 'Prefetch overlap')")
+            logger.info(
+                "vllm-subspec: --offload-backend uva: the verify reads the offloaded "
+                "weights over PCIe inside its kernels and nothing overlaps drafting "
+                "(docs/gpu.md, 'Prefetch overlap')"
+            )
         return
     hf = target_model_config.hf_text_config
     if architectures.is_moe(target_model_config.hf_config):
-        logger.info("vllm-subspec: --cpu-offload-gb %g stays on vLLM's UVA offloader for this "
-                    "mixture-of-experts target: a step reads only the experts it routes to, "
-                    "where prefetching would stream every expert of a layer every step "
-                    "(docs/moe.md, 'Offload economics')", gb)
+        logger.info(
+            "vllm-subspec: --cpu-offload-gb %g stays on vLLM's UVA offloader for this "
+            "mixture-of-experts target: a step reads only the experts it routes to, "
+            "where prefetching would stream every expert of a layer every step "
+            "(docs/moe.md, 'Offload economics')",
+            gb,
+        )
         return
     layers = options.substitute_layers
     # with "offloaded", each extra streamed layer adds its substitute back to the GPU
-    share = substitute_share(options.bits, options.group_size) if layers == "offloaded" \
-        else 0.0
+    share = substitute_share(options.bits, options.group_size) if layers == "offloaded" else 0.0
     # --cpu-offload-gb is per GPU, and with tensor parallelism each GPU holds a 1/tp shard of
     # every layer
     tp = max(1, engine_args.tensor_parallel_size or 1)
-    plan = plan_prefetch(hf.num_hidden_layers,
-                         decoder_layer_bytes(hf, target_model_config.dtype.itemsize) // tp, gb,
-                         share)
+    plan = plan_prefetch(
+        hf.num_hidden_layers,
+        decoder_layer_bytes(hf, target_model_config.dtype.itemsize) // tp,
+        gb,
+        share,
+    )
     if plan is None:
-        logger.info("vllm-subspec: --cpu-offload-gb %g offloads about every decoder layer; it "
-                    "stays on vLLM's UVA offloader (prefetch slots would not fit)", gb)
+        logger.info(
+            "vllm-subspec: --cpu-offload-gb %g offloads about every decoder layer; it "
+            "stays on vLLM's UVA offloader (prefetch slots would not fit)",
+            gb,
+        )
         return
     if isinstance(layers, tuple) and not set(plan.offloaded) <= set(layers):
-        logger.info("vllm-subspec: --cpu-offload-gb %g stays on vLLM's UVA offloader: the "
-                    "prefetch offloader would stream layers %s, which substitute_layers does "
-                    "not substitute", gb, sorted(set(plan.offloaded) - set(layers)))
+        logger.info(
+            "vllm-subspec: --cpu-offload-gb %g stays on vLLM's UVA offloader: the "
+            "prefetch offloader would stream layers %s, which substitute_layers does "
+            "not substitute",
+            gb,
+            sorted(set(plan.offloaded) - set(layers)),
+        )
         return
     engine_args.offload_backend = "prefetch"
     engine_args.offload_group_size = plan.group_size
@@ -212,12 +245,15 @@ def _offload_through_prefetch(engine_args, target_model_config,
 
 def _require_offload(engine_args, options: SubSpecOptions) -> None:
     refusals.refuse_nothing_offloaded(
-        options.substitute_layers, engine_args.offload_backend, engine_args.offload_group_size,
-        engine_args.offload_num_in_group, engine_args.cpu_offload_gb)
+        options.substitute_layers,
+        engine_args.offload_backend,
+        engine_args.offload_group_size,
+        engine_args.offload_num_in_group,
+        engine_args.cpu_offload_gb,
+    )
 
 
-def _no_placeholder_drafts(engine_args, options: SubSpecOptions,
-                           target_parallel_config) -> None:
+def _no_placeholder_drafts(engine_args, options: SubSpecOptions, target_parallel_config) -> None:
     """One batch-size schedule of the same budget for every batch size, so the scheduler does
     not pad: `Scheduler.schedule` pads a new request with one token to run (a prompt cached but
     for its last token) with `num_speculative_tokens` placeholder drafts, to keep decode
@@ -227,7 +263,8 @@ def _no_placeholder_drafts(engine_args, options: SubSpecOptions,
     padding. vLLM drops schedules under data parallelism (with a warning): not set there."""
     if target_parallel_config.data_parallel_size == 1:
         engine_args.speculative_config["num_speculative_tokens_per_batch_size"] = [
-            (1, 1, options.num_draft_tokens)]
+            (1, 1, options.num_draft_tokens)
+        ]
 
 
 def _drafts_with_samples(engine_args, parallel_config) -> None:
@@ -242,11 +279,15 @@ def _drafts_with_samples(engine_args, parallel_config) -> None:
 
     backend = parallel_config.distributed_executor_backend
     multiprocess = backend == "mp" or (
-        backend == "uni" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1")
-    if not multiprocess or parallel_config.nnodes > 1 \
-            or getattr(engine_args, "kv_transfer_config", None) is not None \
-            or getattr(engine_args, "kv_offloading_size", None) is not None \
-            or getattr(engine_args, "ec_transfer_config", None) is not None:
+        backend == "uni" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"
+    )
+    if (
+        not multiprocess
+        or parallel_config.nnodes > 1
+        or getattr(engine_args, "kv_transfer_config", None) is not None
+        or getattr(engine_args, "kv_offloading_size", None) is not None
+        or getattr(engine_args, "ec_transfer_config", None) is not None
+    ):
         return
     from vllm_subspec.vllm_hooks.executor import SubSpecMultiprocExecutor
 
@@ -261,8 +302,10 @@ def _no_async_scheduling(engine_args) -> None:
     after the forward (`GPUModelRunner._update_states`)."""
     refusals.refuse_async_scheduling(engine_args.async_scheduling)
     if engine_args.async_scheduling is None:
-        logger.info("vllm-subspec: async scheduling off (the verify reads the scheduled draft "
-                    "tokens on the host, which async scheduling leaves as placeholders)")
+        logger.info(
+            "vllm-subspec: async scheduling off (the verify reads the scheduled draft "
+            "tokens on the host, which async scheduling leaves as placeholders)"
+        )
     engine_args.async_scheduling = False
 
 
@@ -277,17 +320,22 @@ def _pin_flash_attention(engine_args, target_model_config, platform) -> None:
     flash = AttentionBackendEnum.FLASH_ATTN
     # vLLM's own parser of the option ("auto" -> None, names -> enum), as
     # `EngineArgs.create_engine_config` applies it
-    chosen = AttentionConfig.validate_backend_before(engine_args.attention_backend) \
+    chosen = (
+        AttentionConfig.validate_backend_before(engine_args.attention_backend)
         or engine_args.attention_config.backend
+    )
     refusals.refuse_attention_backend(None if chosen is None else chosen.name)
-    refusals.refuse_backend_per_kind(getattr(engine_args.attention_config, "backend_per_kind",
-                                             None))
+    refusals.refuse_backend_per_kind(
+        getattr(engine_args.attention_config, "backend_per_kind", None)
+    )
     # The call the worker's backend selector makes (`CudaPlatformBase.get_attn_backend_cls`): it
     # refuses GPUs, dtypes and head sizes FlashAttention cannot run, now rather than at model load.
     selector = AttentionSelectorConfig(
-        head_size=target_model_config.get_head_size(), dtype=target_model_config.dtype,
+        head_size=target_model_config.get_head_size(),
+        dtype=target_model_config.dtype,
         kv_cache_dtype=resolved_kv_cache_dtype(engine_args, target_model_config),
-        block_size=engine_args.block_size)
+        block_size=engine_args.block_size,
+    )
     try:
         platform.get_attn_backend_cls(flash, selector, num_heads=None)
     except ValueError as e:
@@ -330,10 +378,14 @@ def check_final_config(vllm_config, options: SubSpecOptions, platform) -> None:
 
     cc = vllm_config.compilation_config
     attention_outside = cc.cudagraph_mode == CUDAGraphMode.NONE or (
-        cc.cudagraph_mode == CUDAGraphMode.PIECEWISE and cc.is_attention_compiled_piecewise())
-    refusals.refuse_attention_in_cuda_graphs(attention_outside,
-                                             bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH),
-                                             cc.cudagraph_mode.name, cc.splitting_ops)
+        cc.cudagraph_mode == CUDAGraphMode.PIECEWISE and cc.is_attention_compiled_piecewise()
+    )
+    refusals.refuse_attention_in_cuda_graphs(
+        attention_outside,
+        bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH),
+        cc.cudagraph_mode.name,
+        cc.splitting_ops,
+    )
 
 
 def sliding_window_of(hf_text_config) -> int | None:
@@ -356,6 +408,9 @@ def tree_cudagraph_mode(requested):
     if requested is not None and not requested.has_full_cudagraphs():
         return requested  # NONE or PIECEWISE: already safe
     if requested is not None:
-        logger.warning("vllm-subspec: tree drafting needs attention outside CUDA graphs; "
-                       "cudagraph_mode %s -> PIECEWISE", requested.name)
+        logger.warning(
+            "vllm-subspec: tree drafting needs attention outside CUDA graphs; "
+            "cudagraph_mode %s -> PIECEWISE",
+            requested.name,
+        )
     return CUDAGraphMode.PIECEWISE

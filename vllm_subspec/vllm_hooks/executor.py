@@ -31,8 +31,11 @@ class SubSpecMultiprocExecutor(MultiprocExecutor):
         return super().execute_model(scheduler_output, non_block)
 
     def sample_tokens(self, grammar_output, non_block: bool = False):
-        if non_block or self.kv_output_aggregator is not None \
-                or self.ec_output_aggregator is not None:
+        if (
+            non_block
+            or self.kv_output_aggregator is not None
+            or self.ec_output_aggregator is not None
+        ):
             return super().sample_tokens(grammar_output, non_block)
         output, self._drafts = self.collective_rpc(
             "sample_tokens_and_drafts",

@@ -42,8 +42,10 @@ class HeadStartStream:
             yield
             return
         if self._inputs is None:
-            raise RuntimeError("vllm-subspec: head starts drafted before their branch copies "
-                               "were queued (inputs_copied)")
+            raise RuntimeError(
+                "vllm-subspec: head starts drafted before their branch copies "
+                "were queued (inputs_copied)"
+            )
         self.stream.wait_event(self._inputs)
         self._inputs = None
         with self.cuda.stream(self.stream):

@@ -28,19 +28,38 @@ logger = logging.getLogger("vllm." + __name__)  # under vLLM's logger: its handl
 METRICS_DIR_ENV = "SUBSPEC_METRICS_DIR"
 
 # The file's float64 fields, in order. Totals are since the engine started.
-FIELDS = ("draft_steps", "plain_steps", "draft_passes", "draft_seconds", "verify_seconds",
-          "step_seconds", "tree_width", "tree_depth", "substitute_bytes", "dense_twin_bytes",
-          "draft_head_bytes")
+FIELDS = (
+    "draft_steps",
+    "plain_steps",
+    "draft_passes",
+    "draft_seconds",
+    "verify_seconds",
+    "step_seconds",
+    "tree_width",
+    "tree_depth",
+    "substitute_bytes",
+    "dense_twin_bytes",
+    "draft_head_bytes",
+)
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 # the fields the worker stores after each proposal: `StepStats`' attributes of the same name
-_STEP_FIELDS = ("draft_steps", "plain_steps", "draft_passes", "draft_seconds", "verify_seconds",
-                "step_seconds", "tree_width", "tree_depth")
+_STEP_FIELDS = (
+    "draft_steps",
+    "plain_steps",
+    "draft_passes",
+    "draft_seconds",
+    "verify_seconds",
+    "step_seconds",
+    "tree_width",
+    "tree_depth",
+)
 
 
 def default_metrics_dir() -> str:
     """A folder name unique to this front end (created only by its stat logger)."""
-    return os.path.join(tempfile.gettempdir(),
-                        f"vllm-subspec-metrics-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return os.path.join(
+        tempfile.gettempdir(), f"vllm-subspec-metrics-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    )
 
 
 def metrics_path(directory: str, engine_index: int) -> str:
@@ -56,10 +75,18 @@ class StepMetricsFile:
 
     LOOK_SECONDS = 5.0
 
-    def __init__(self, directory: str | None, engine_index: int, draft_bytes: dict[str, int],
-                 clock=time.monotonic):
-        self.directory, self.engine_index, self.draft_bytes = directory, engine_index, \
-            draft_bytes  # substitute_bytes, dense_twin_bytes, draft_head_bytes
+    def __init__(
+        self,
+        directory: str | None,
+        engine_index: int,
+        draft_bytes: dict[str, int],
+        clock=time.monotonic,
+    ):
+        self.directory, self.engine_index, self.draft_bytes = (
+            directory,
+            engine_index,
+            draft_bytes,
+        )  # substitute_bytes, dense_twin_bytes, draft_head_bytes
         self.clock = clock
         self.array: np.ndarray | None = None
         self._next_look = 0.0
@@ -71,8 +98,12 @@ class StepMetricsFile:
         self._next_look = now + self.LOOK_SECONDS
         if not os.path.isdir(self.directory):
             return False
-        self.array = np.memmap(metrics_path(self.directory, self.engine_index),
-                               dtype=np.float64, mode="w+", shape=(len(FIELDS),))
+        self.array = np.memmap(
+            metrics_path(self.directory, self.engine_index),
+            dtype=np.float64,
+            mode="w+",
+            shape=(len(FIELDS),),
+        )
         for name, value in self.draft_bytes.items():
             self.array[_INDEX[name]] = value
         return True
@@ -109,8 +140,11 @@ _COUNTERS = (
     ("step_seconds", "Wall time of the steps that asked the drafter (idle gaps left out)."),
 )
 _GAUGES = (
-    ("tree_width", "Nodes per depth of the last drafted step's tree (1: a chain; 0: the step "
-                   "drafted nothing)."),
+    (
+        "tree_width",
+        "Nodes per depth of the last drafted step's tree (1: a chain; 0: the step "
+        "drafted nothing).",
+    ),
     ("tree_depth", "Depth of the last drafted step's deepest verified tree (0: none)."),
 )
 
@@ -119,8 +153,7 @@ class SubSpecCollector:
     """Reads every engine's file at scrape time (a prometheus_client custom collector)."""
 
     def __init__(self, directory: str, engine_indexes: list[int], model_name: str):
-        self.directory, self.engine_indexes, self.model_name = directory, engine_indexes, \
-            model_name
+        self.directory, self.engine_indexes, self.model_name = directory, engine_indexes, model_name
 
     def describe(self):
         return []  # names are not reserved: a later front end in this process replaces us
@@ -129,20 +162,22 @@ class SubSpecCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         labels = ["model_name", "engine"]
-        counters = {n: CounterMetricFamily(f"vllm:subspec_{n}", h, labels=labels)
-                    for n, h in _COUNTERS}
-        gauges = {n: GaugeMetricFamily(f"vllm:subspec_{n}", h, labels=labels)
-                  for n, h in _GAUGES}
+        counters = {
+            n: CounterMetricFamily(f"vllm:subspec_{n}", h, labels=labels) for n, h in _COUNTERS
+        }
+        gauges = {n: GaugeMetricFamily(f"vllm:subspec_{n}", h, labels=labels) for n, h in _GAUGES}
         share = GaugeMetricFamily(
             "vllm:subspec_draft_time_share",
             "Drafting's share of step time since start (draft_seconds / step_seconds).",
-            labels=labels)
+            labels=labels,
+        )
         draft_bytes = GaugeMetricFamily(
             "vllm:subspec_draft_bytes",
             "Memory the draft adds to the target, by part (substitutes: the substituted "
             "layers' low-bit weights; dense_twins: CPU-only bf16 copies for small batches; "
             "lm_head: the draft's quantized output projection).",
-            labels=labels + ["part"])
+            labels=labels + ["part"],
+        )
         for engine in self.engine_indexes:
             values = read_metrics(metrics_path(self.directory, engine))
             if values is None:
@@ -152,11 +187,17 @@ class SubSpecCollector:
                 family.add_metric(at, values[n])
             for n, family in gauges.items():
                 family.add_metric(at, values[n])
-            share.add_metric(at, values["draft_seconds"] / values["step_seconds"]
-                             if values["step_seconds"] > 0 else 0.0)
-            for part, field in (("substitutes", "substitute_bytes"),
-                                ("dense_twins", "dense_twin_bytes"),
-                                ("lm_head", "draft_head_bytes")):
+            share.add_metric(
+                at,
+                values["draft_seconds"] / values["step_seconds"]
+                if values["step_seconds"] > 0
+                else 0.0,
+            )
+            for part, field in (
+                ("substitutes", "substitute_bytes"),
+                ("dense_twins", "dense_twin_bytes"),
+                ("lm_head", "draft_head_bytes"),
+            ):
                 draft_bytes.add_metric(at + [part], values[field])
         yield from counters.values()
         yield from gauges.values()
@@ -178,8 +219,10 @@ class SubSpecStatLogger(AggregateStatLoggerBase):
             return
         directory = os.environ.get(METRICS_DIR_ENV)
         if not directory:
-            logger.warning("vllm-subspec: %s is unset in the front end; SubSpec's metrics are "
-                           "not exported", METRICS_DIR_ENV)
+            logger.warning(
+                "vllm-subspec: %s is unset in the front end; SubSpec's metrics are not exported",
+                METRICS_DIR_ENV,
+            )
             return
         if not os.path.exists(directory):  # remove at exit only what this front end made
             os.makedirs(directory)
@@ -189,12 +232,14 @@ class SubSpecStatLogger(AggregateStatLoggerBase):
         for old in list(REGISTRY._collector_to_names):  # as vLLM's unregister_vllm_metrics
             if isinstance(old, SubSpecCollector):
                 REGISTRY.unregister(old)
-        self.collector = SubSpecCollector(directory, list(engine_indexes),
-                                          vllm_config.model_config.served_model_name)
+        self.collector = SubSpecCollector(
+            directory, list(engine_indexes), vllm_config.model_config.served_model_name
+        )
         REGISTRY.register(self.collector)
 
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
-               engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0
+    ) -> None:
         pass  # the collector reads the engines' files when Prometheus scrapes
 
     def log_engine_initialized(self) -> None:

@@ -55,11 +55,14 @@ def _patch_create_speculative_config() -> None:
                     translate_speculative_config,
                 )
 
-                self.speculative_config, self.additional_config, options = \
-                    translate_speculative_config(spec, self.additional_config,
-                                                 target_model_config, target_parallel_config)
-                apply_platform_rules(self, options, target_model_config,
-                                     target_parallel_config, current_platform)
+                self.speculative_config, self.additional_config, options = (
+                    translate_speculative_config(
+                        spec, self.additional_config, target_model_config, target_parallel_config
+                    )
+                )
+                apply_platform_rules(
+                    self, options, target_model_config, target_parallel_config, current_platform
+                )
             return original(self, target_model_config, target_parallel_config)
 
         return create_speculative_config
@@ -106,7 +109,8 @@ def weight_hook(original):
         if runner is None or model_config is not runner.model_config:
             return original(model, model_config, target_device)
         runner.target_weights_loaded(
-            model, target_device, lambda: original(model, model_config, target_device))
+            model, target_device, lambda: original(model, model_config, target_device)
+        )
 
     return process_weights_after_loading
 
@@ -129,12 +133,15 @@ def _patch_attention_backends() -> None:
             from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend as backend
             from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl as impl
     except ImportError as e:  # e.g. a platform without FlashAttention: trees unavailable
-        logger.warning("vllm-subspec: no tree attention on this platform (%s); use "
-                       "tree_width=1", e)
+        logger.warning("vllm-subspec: no tree attention on this platform (%s); use tree_width=1", e)
         return
     kv_written_apart = not backend.forward_includes_kv_cache_update
-    _wrap(impl, "forward", lambda original: tree_attention_forward(original, kv_written_apart),
-          "attention_forward")
+    _wrap(
+        impl,
+        "forward",
+        lambda original: tree_attention_forward(original, kv_written_apart),
+        "attention_forward",
+    )
 
 
 def tree_attention_forward(original, kv_written_apart: bool):
@@ -145,22 +152,27 @@ def tree_attention_forward(original, kv_written_apart: bool):
 
     from vllm_subspec.step.tree_attention import active_tree_plan, apply_tree_attention
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
-                **kwargs):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         plan = active_tree_plan()
         if plan is None:  # no tree rows (every plain step): the backend alone
-            return original(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                            *args, **kwargs)
-        if kv_written_apart and attn_metadata is not None and not args \
-                and all(v is None for v in kwargs.values()) \
-                and self.attn_type == AttentionType.DECODER \
-                and getattr(self, "dcp_world_size", 1) == 1 \
-                and plan.num_rows == attn_metadata.num_actual_tokens:
+            return original(
+                self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+            )
+        if (
+            kv_written_apart
+            and attn_metadata is not None
+            and not args
+            and all(v is None for v in kwargs.values())
+            and self.attn_type == AttentionType.DECODER
+            and getattr(self, "dcp_world_size", 1) == 1
+            and plan.num_rows == attn_metadata.num_actual_tokens
+        ):
             # every row is a tree row: the backend's pass would be overwritten whole
             apply_tree_attention(self, layer, query, kv_cache, attn_metadata, output)
             return output
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                          *args, **kwargs)
+        result = original(
+            self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+        )
         apply_tree_attention(self, layer, query, kv_cache, attn_metadata, output)
         return result
 
@@ -209,12 +221,21 @@ def apply_all() -> bool:
     if not vllm_version_supported(vllm.__version__):
         supported = "vLLM >={}.{},<{}.{}".format(*TESTED_VLLM[0], *TESTED_VLLM[1])
         if os.environ.get(ALLOW_UNTESTED_VLLM_ENV) != "1":
-            logger.error("vllm-subspec supports %s; found %s. SubSpec is disabled (set %s=1 to "
-                         "try it anyway).", supported, vllm.__version__, ALLOW_UNTESTED_VLLM_ENV)
+            logger.error(
+                "vllm-subspec supports %s; found %s. SubSpec is disabled (set %s=1 to "
+                "try it anyway).",
+                supported,
+                vllm.__version__,
+                ALLOW_UNTESTED_VLLM_ENV,
+            )
             return False
-        logger.warning("vllm-subspec: vLLM %s is untested (supported: %s); %s=1, so SubSpec's "
-                       "patches are applied anyway. Compare its output with plain decoding.",
-                       vllm.__version__, supported, ALLOW_UNTESTED_VLLM_ENV)
+        logger.warning(
+            "vllm-subspec: vLLM %s is untested (supported: %s); %s=1, so SubSpec's "
+            "patches are applied anyway. Compare its output with plain decoding.",
+            vllm.__version__,
+            supported,
+            ALLOW_UNTESTED_VLLM_ENV,
+        )
     _patch_create_speculative_config()
     _patch_force_v1_runner()
     _patch_weight_hook()

@@ -40,8 +40,9 @@ class OverlappingPrefetchOffloader(PrefetchOffloader):
     drafts (module docstring); installed in vLLM's place by SubSpec's runner. With no shared
     slot (s >= offloaded layers) or micro-batching, it behaves exactly as vLLM's."""
 
-    def __init__(self, *args, use_ubatching: bool = False,
-                 forward_context=_current_forward_context, **kwargs):
+    def __init__(
+        self, *args, use_ubatching: bool = False, forward_context=_current_forward_context, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.use_ubatching = use_ubatching  # its two threads run forwards concurrently
         self._forward_context = forward_context
@@ -51,16 +52,21 @@ class OverlappingPrefetchOffloader(PrefetchOffloader):
         self.slot_layer: dict[int, int | None] = {}  # slot -> layer last copied there
 
     @classmethod
-    def replacing(cls, offloader, use_ubatching: bool = False
-                  ) -> OverlappingPrefetchOffloader | None:
+    def replacing(
+        cls, offloader, use_ubatching: bool = False
+    ) -> OverlappingPrefetchOffloader | None:
         """One with the settings of vLLM's `offloader` (made by the runner, no layer wrapped
         yet); None for any other backend."""
         if type(offloader) is not PrefetchOffloader:
             return None
-        return cls(group_size=offloader.group_size, num_in_group=offloader.num_in_group,
-                   prefetch_step=offloader.prefetch_step,
-                   offload_params=offloader.offload_params, mode=offloader.mode,
-                   use_ubatching=use_ubatching)
+        return cls(
+            group_size=offloader.group_size,
+            num_in_group=offloader.num_in_group,
+            prefetch_step=offloader.prefetch_step,
+            offload_params=offloader.offload_params,
+            mode=offloader.mode,
+            use_ubatching=use_ubatching,
+        )
 
     @property
     def overlaps(self) -> bool:

@@ -40,13 +40,15 @@ class PrefetchPlan:
         return int((n * (1 - self.substitute_share) - self.prefetch_step) * self.layer_bytes)
 
     def describe(self, cpu_offload_gb: float) -> str:
-        return (f"vllm-subspec: --cpu-offload-gb {cpu_offload_gb:g} runs as vLLM's prefetch "
-                f"offloader: {len(self.offloaded)} decoder layers in host memory (group size "
-                f"{self.group_size}, {self.num_in_group} per group), {self.prefetch_step} GPU "
-                f"slots, {self.freed_bytes / 2**30:.2f} GiB freed net of the slots and "
-                f"substitutes; the next verify's first {self.prefetch_step} layers are copied "
-                "while the draft drafts (--offload-backend uva keeps UVA: docs/gpu.md, "
-                "'Prefetch overlap')")
+        return (
+            f"vllm-subspec: --cpu-offload-gb {cpu_offload_gb:g} runs as vLLM's prefetch "
+            f"offloader: {len(self.offloaded)} decoder layers in host memory (group size "
+            f"{self.group_size}, {self.num_in_group} per group), {self.prefetch_step} GPU "
+            f"slots, {self.freed_bytes / 2**30:.2f} GiB freed net of the slots and "
+            f"substitutes; the next verify's first {self.prefetch_step} layers are copied "
+            "while the draft drafts (--offload-backend uva keeps UVA: docs/gpu.md, "
+            "'Prefetch overlap')"
+        )
 
 
 def offloaded_layers(num_layers: int, group_size: int, num_in_group: int) -> list[int]:
@@ -54,8 +56,9 @@ def offloaded_layers(num_layers: int, group_size: int, num_in_group: int) -> lis
     return [i for i in range(num_layers) if i % group_size >= group_size - num_in_group]
 
 
-def plan_prefetch(num_layers: int, layer_bytes: int, cpu_offload_gb: float,
-                  share: float = 0.0, slots: int = SLOTS) -> PrefetchPlan | None:
+def plan_prefetch(
+    num_layers: int, layer_bytes: int, cpu_offload_gb: float, share: float = 0.0, slots: int = SLOTS
+) -> PrefetchPlan | None:
     """The prefetch plan leaving the GPU at least the memory UVA would with `cpu_offload_gb`
     (its ceil(N / layer) layers, each adding back `share` of itself as a substitute), net of
     `slots` GPU slots and of the extra layers' substitutes; its offloaded layers spread as
@@ -85,6 +88,7 @@ def decoder_layer_bytes(hf_text_config, dtype_bytes: int) -> int:
     head_dim = getattr(hf_text_config, "head_dim", None) or h // heads
     qkv_out = (heads + 2 * kv_heads) * head_dim
     bias = qkv_out if has_qkv_bias(hf_text_config) else 0
-    params = h * qkv_out + bias + heads * head_dim * h \
-        + 3 * h * hf_text_config.intermediate_size + 2 * h
+    params = (
+        h * qkv_out + bias + heads * head_dim * h + 3 * h * hf_text_config.intermediate_size + 2 * h
+    )
     return params * dtype_bytes

@@ -47,8 +47,15 @@ class SubSpecProposer(DraftModelProposer):
     model: nn.Module  # the draft (`build_draft_model`), set in load_model
     _draft_attn_layer_names: set[str]
 
-    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner,
-                 session: StepSession, offloader, head_stream: HeadStartStream):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        runner,
+        session: StepSession,
+        offloader,
+        head_stream: HeadStartStream,
+    ):
         """offloader: an `OverlappingPrefetchOffloader`, or None; head_stream: the runner's,
         where head starts draft (`draft_head_starts`) and are profiled."""
         super().__init__(vllm_config, device, runner)
@@ -63,39 +70,47 @@ class SubSpecProposer(DraftModelProposer):
         self.head_stream = head_stream
 
     # ---- loading -------------------------------------------------------------------------
-    def build_substitutes(self, target: nn.Module, device: torch.device,
-                          process_weights) -> None:
+    def build_substitutes(self, target: nn.Module, device: torch.device, process_weights) -> None:
         """From the target's raw weights, around vLLM's `process_weights()`
         (`draft_startup.build_substitutes`)."""
-        self.substitutes = draft_startup.build_substitutes(target, self.options,
-                                                           self.vllm_config, device,
-                                                           process_weights)
+        self.substitutes = draft_startup.build_substitutes(
+            target, self.options, self.vllm_config, device, process_weights
+        )
 
     def load_model(self, target_model: nn.Module) -> None:
         """Wrap the target (no second model is loaded) and draft through its attention layers."""
         substitutes = self.substitutes
         if substitutes is None:
-            raise RuntimeError("vllm-subspec: the target was loaded without SubSpec's weight "
-                               "hook; is the plugin enabled in this process (VLLM_PLUGINS)?")
+            raise RuntimeError(
+                "vllm-subspec: the target was loaded without SubSpec's weight "
+                "hook; is the plugin enabled in this process (VLLM_PLUGINS)?"
+            )
         self.model = build_draft_model(target_model, substitutes, self.device, self.vllm_config)
-        self._draft_attn_layer_names = draft_startup.draft_attention_layers(self.vllm_config,
-                                                                            target_model)
+        self._draft_attn_layer_names = draft_startup.draft_attention_layers(
+            self.vllm_config, target_model
+        )
         from vllm.distributed import get_tensor_model_parallel_rank
 
         if get_tensor_model_parallel_rank() == 0:  # one writer per engine
             # the engine index the front end labels stats with (`data_parallel_index`)
-            self.metrics = StepMetricsFile(os.environ.get(METRICS_DIR_ENV),
-                                           self.vllm_config.parallel_config.data_parallel_index,
-                                           substitutes.memory_parts())
+            self.metrics = StepMetricsFile(
+                os.environ.get(METRICS_DIR_ENV),
+                self.vllm_config.parallel_config.data_parallel_index,
+                substitutes.memory_parts(),
+            )
         if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now
-            draft_startup.warm_up_kernels(substitutes, self.options, self.vllm_config,
-                                          self.device)
+            draft_startup.warm_up_kernels(substitutes, self.options, self.vllm_config, self.device)
         tuner = self.session.tuner
         if tuner is not None and tuner.lm_heads is not None:
-            draft_startup.time_lm_heads(tuner.lm_heads, self.model.compute_logits,
-                                        max(self.options.widths), self.max_num_tokens,
-                                        self.vllm_config.model_config.get_hidden_size(),
-                                        self.vllm_config.model_config.dtype, self.device)
+            draft_startup.time_lm_heads(
+                tuner.lm_heads,
+                self.model.compute_logits,
+                max(self.options.widths),
+                self.max_num_tokens,
+                self.vllm_config.model_config.get_hidden_size(),
+                self.vllm_config.model_config.dtype,
+                self.device,
+            )
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
@@ -108,40 +123,60 @@ class SubSpecProposer(DraftModelProposer):
         (`draft_cudagraph_mode`)."""
         from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
 
-        super().initialize_cudagraph_keys(draft_cudagraph_mode(
-            self.vllm_config.compilation_config, cudagraph_mode,
-            is_breakable_cudagraph_enabled()))
+        super().initialize_cudagraph_keys(
+            draft_cudagraph_mode(
+                self.vllm_config.compilation_config,
+                cudagraph_mode,
+                is_breakable_cudagraph_enabled(),
+            )
+        )
 
-    def draft_bucket(self, num_tokens: int, use_cudagraphs: bool = True
-                     ) -> tuple[CUDAGraphMode, int]:
+    def draft_bucket(
+        self, num_tokens: int, use_cudagraphs: bool = True
+    ) -> tuple[CUDAGraphMode, int]:
         """(runtime mode, padded row count) of a draft forward over `num_tokens` rows
         (`replay_or_eager` on vLLM's dispatch)."""
         mode, padded = dispatched(self.cudagraph_dispatcher, num_tokens, use_cudagraphs)
-        return replay_or_eager(mode, padded, num_tokens, self.device.type == "cuda",
-                               self.captured_buckets,
-                               bool(getattr(self.runner, "num_prompt_logprobs", None)))
+        return replay_or_eager(
+            mode,
+            padded,
+            num_tokens,
+            self.device.type == "cuda",
+            self.captured_buckets,
+            bool(getattr(self.runner, "num_prompt_logprobs", None)),
+        )
 
     @torch.inference_mode()
-    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
-                  is_graph_capturing: bool = False, slot_mappings=None) -> None:
+    def dummy_run(
+        self,
+        num_tokens: int,
+        use_cudagraphs: bool = True,
+        is_graph_capturing: bool = False,
+        slot_mappings=None,
+    ) -> None:
         """vLLM's warm-up of the drafter (`GPUModelRunner._dummy_run`): writes KV only through
         vLLM's slot mappings; in the capture phase captures the draft's pieces for a bucket;
         in the first call without slot mappings (`profile_run`) also allocates a step's
         largest temporaries for vLLM's memory profile (`run_peak_temporaries`). The rows are
         capped at the draft's own bound (vLLM asks for its widest batch). docs/gpu.md."""
         if is_graph_capturing:
-            mode, padded = dispatched(self.cudagraph_dispatcher,
-                                      min(num_tokens, self.draft_rows_bound()), use_cudagraphs)
+            mode, padded = dispatched(
+                self.cudagraph_dispatcher, min(num_tokens, self.draft_rows_bound()), use_cudagraphs
+            )
             if mode != CUDAGraphMode.NONE:
                 capture_bucket(self, mode, padded)
             return
         num_tokens = min(num_tokens, self.warm_up_rows())
-        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens,
-                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                 slot_mapping=slot_mappings if isinstance(slot_mappings, dict)
-                                 else {}):
-            hidden = self.model(input_ids=self.input_ids[:num_tokens],
-                                positions=self.positions[:num_tokens])
+        with set_forward_context(
+            None,
+            self.vllm_config,
+            num_tokens=num_tokens,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            slot_mapping=slot_mappings if isinstance(slot_mappings, dict) else {},
+        ):
+            hidden = self.model(
+                input_ids=self.input_ids[:num_tokens], positions=self.positions[:num_tokens]
+            )
         if slot_mappings is None and not self._peak_temporaries_profiled:
             self._peak_temporaries_profiled = True
             self.run_peak_temporaries(hidden.shape[-1], hidden.dtype)
@@ -150,11 +185,18 @@ class SubSpecProposer(DraftModelProposer):
         """A step's widest temporaries past its forwards, for vLLM's memory profile
         (`draft_startup.allocate_peak_temporaries`)."""
         draft_startup.allocate_peak_temporaries(
-            self.options, self.vllm_config, hidden_size, dtype, self.device,
-            draft_rows=self.max_num_tokens, verify_rows=self.verify_rows_bound(),
-            draw_rows=self.runner.max_num_reqs, compute_logits=self.model.compute_logits,
+            self.options,
+            self.vllm_config,
+            hidden_size,
+            dtype,
+            self.device,
+            draft_rows=self.max_num_tokens,
+            verify_rows=self.verify_rows_bound(),
+            draw_rows=self.runner.max_num_reqs,
+            compute_logits=self.model.compute_logits,
             head_stream=self.head_stream,
-            topk_topp_sampler=self.runner.sampler.topk_topp_sampler)
+            topk_topp_sampler=self.runner.sampler.topk_topp_sampler,
+        )
 
     def drafting(self):
         """The scope of draft forwards: the overlapping offloader skips its waits in it."""
@@ -163,19 +205,22 @@ class SubSpecProposer(DraftModelProposer):
         return self.offloader.drafting()
 
     def draft_rows_bound(self) -> int:
-        return row_buckets.draft_rows_bound(self.vllm_config.scheduler_config.max_num_seqs,
-                                            self.max_num_tokens, self.options.widths)
+        return row_buckets.draft_rows_bound(
+            self.vllm_config.scheduler_config.max_num_seqs, self.max_num_tokens, self.options.widths
+        )
 
     def warm_up_rows(self) -> int:
         return row_buckets.warm_up_rows(
             self.draft_rows_bound(),
             self.vllm_config.compilation_config.cudagraph_capture_sizes or (),
-            self.max_num_tokens)
+            self.max_num_tokens,
+        )
 
     def verify_rows_bound(self) -> int:
         sc = self.vllm_config.scheduler_config
-        return row_buckets.verify_rows_bound(sc.max_num_batched_tokens, sc.max_num_seqs,
-                                             self.options.num_draft_tokens)
+        return row_buckets.verify_rows_bound(
+            sc.max_num_batched_tokens, sc.max_num_seqs, self.options.num_draft_tokens
+        )
 
     # ---- drafting (draft_passes.py) ------------------------------------------------------
     def propose(
@@ -202,10 +247,17 @@ class SubSpecProposer(DraftModelProposer):
         if num_speculative_tokens == 0:
             return torch.empty(batch_size, 0, dtype=torch.int64, device=next_token_ids.device)
         req_ids = self.runner.input_batch.req_ids[:batch_size]
-        chain_only = [chain_only_reason(self.runner.requests[r].sampling_params) is not None
-                      for r in req_ids] if self.options.is_tree else None  # a chain is one
-        drafts = self.session.propose(passes, req_ids, next_token_ids, num_speculative_tokens,
-                                      chain_only)
+        chain_only = (
+            [
+                chain_only_reason(self.runner.requests[r].sampling_params) is not None
+                for r in req_ids
+            ]
+            if self.options.is_tree
+            else None
+        )  # a chain is one
+        drafts = self.session.propose(
+            passes, req_ids, next_token_ids, num_speculative_tokens, chain_only
+        )
         if self.metrics is not None:
             self.metrics.record(self.session.stats)
         return drafts
@@ -217,8 +269,7 @@ class SubSpecProposer(DraftModelProposer):
         if verify_cad is None or not self.session.head_starts_to_draft():
             return
         with self.head_stream.drafting():
-            self.session.draft_head_starts(
-                lambda heads: VllmHeadPasses(self, verify_cad, heads))
+            self.session.draft_head_starts(lambda heads: VllmHeadPasses(self, verify_cad, heads))
 
     def plain_step(self, batch_size: int) -> list[list[int]]:
         """A step the session planned plain (`SubSpecRunner.propose_draft_token_ids`): no
@@ -235,6 +286,11 @@ class SubSpecProposer(DraftModelProposer):
         caches = []
         for name in sorted(self._draft_attn_layer_names):
             kv = ctx[name].kv_cache
-            caches.append((ctx[name].impl, kv[0] if isinstance(kv, (list, tuple)) else kv,
-                           getattr(ctx[name], "isa", None)))
+            caches.append(
+                (
+                    ctx[name].impl,
+                    kv[0] if isinstance(kv, (list, tuple)) else kv,
+                    getattr(ctx[name], "isa", None),
+                )
+            )
         return caches

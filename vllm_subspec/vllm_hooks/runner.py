@@ -21,7 +21,8 @@ from vllm_subspec.vllm_hooks.stack_chunk import call_on_fresh_chunk
 
 # The runner whose `load_model` is in progress (the weight hook builds its substitutes).
 _LOADING: contextvars.ContextVar[SubSpecRunner | None] = contextvars.ContextVar(
-    "subspec_loading_runner", default=None)
+    "subspec_loading_runner", default=None
+)
 
 
 class SubSpecRunner:
@@ -46,18 +47,25 @@ class SubSpecRunner:
         # vLLM's prefetch offloader, made by `GPUModelRunner.__init__` (its ring has not
         # wrapped any layer yet), becomes the one whose next copies overlap drafting
         overlapping = OverlappingPrefetchOffloader.replacing(
-            get_offloader(), vllm_config.parallel_config.use_ubatching)
+            get_offloader(), vllm_config.parallel_config.use_ubatching
+        )
         if overlapping is not None:
             set_offloader(overlapping)
         self.session = StepSession.from_options(
-            options, share=tensor_parallel_decisions(vllm_config.parallel_config))
+            options, share=tensor_parallel_decisions(vllm_config.parallel_config)
+        )
         # the head starts' stream: the drafter drafts on it, the verifier's walk waits for it
         self.head_stream = HeadStartStream(device)
-        self.drafter = SubSpecProposer(vllm_config, device, self, self.session, overlapping,
-                                       self.head_stream)
+        self.drafter = SubSpecProposer(
+            vllm_config, device, self, self.session, overlapping, self.head_stream
+        )
         self.rejection_sampler = SampleMatchVerifier(
-            self, self.session, kv_caches=self.drafter.kv_caches, head_stream=self.head_stream,
-            lm_head_logits=lambda hidden, head: self.drafter.model.compute_logits(hidden, head))
+            self,
+            self.session,
+            kv_caches=self.drafter.kv_caches,
+            head_stream=self.head_stream,
+            lm_head_logits=lambda hidden, head: self.drafter.model.compute_logits(hidden, head),
+        )
         self._verify_cad = None  # this step's drafter metadata, until its forward is queued
 
     # ---- 2. loading (the worker's `load_model`) ------------------------------------------
@@ -89,8 +97,9 @@ class SubSpecRunner:
         build = super()._calc_spec_decode_metadata
         if num_draft_tokens.any():
             return build(num_draft_tokens, cu_num_scheduled_tokens)
-        return self.rejection_sampler.no_draft_metadata(num_draft_tokens,
-                                                        cu_num_scheduled_tokens, build)
+        return self.rejection_sampler.no_draft_metadata(
+            num_draft_tokens, cu_num_scheduled_tokens, build
+        )
 
     def _build_attention_metadata(self, *args, **kwargs):
         """vLLM's metadata of this step's forward; its drafter's copy is also the one the
@@ -129,7 +138,8 @@ class SubSpecRunner:
         passes past the limit would rely on vLLM's clamped positions)."""
         if not self.session.options.is_tree:
             return super()._input_fits_in_drafter(  # type: ignore[misc]  # (a mixin)
-                common_attn_metadata)
+                common_attn_metadata
+            )
         return common_attn_metadata is not None
 
 

@@ -34,8 +34,10 @@ if sys.version_info >= (3, 11):
     # a chunk of its own (256 KiB: 16 KiB doubled past the frame and CPython's 1000-slot
     # margin), whose upper ~128 KiB, never touched by the entry, hold the frames of the call.
     _entry.__code__ = _entry.__code__.replace(
-        co_stacksize=_entry.__code__.co_stacksize + FREE_BYTES // _SLOT_BYTES)
+        co_stacksize=_entry.__code__.co_stacksize + FREE_BYTES // _SLOT_BYTES
+    )
     call_on_fresh_chunk = _entry
 else:  # 3.10: frames are heap objects, no chunked stack
+
     def call_on_fresh_chunk(fn: Callable, args: tuple, kwargs: dict) -> Any:
         return fn(*args, **kwargs)

@@ -22,10 +22,14 @@ from vllm_subspec.vllm_hooks.head_start_stream import HeadStartStream
 
 
 class SampleMatchVerifier:
-    def __init__(self, runner, session: StepSession,
-                 kv_caches: Callable[[], list[tuple[object, torch.Tensor, str | None]]],
-                 head_stream: HeadStartStream,
-                 lm_head_logits: Callable[[torch.Tensor, str | None], torch.Tensor]):
+    def __init__(
+        self,
+        runner,
+        session: StepSession,
+        kv_caches: Callable[[], list[tuple[object, torch.Tensor, str | None]]],
+        head_stream: HeadStartStream,
+        lm_head_logits: Callable[[torch.Tensor, str | None], torch.Tensor],
+    ):
         """From the runner (`SubSpecRunner`): kv_caches: () -> (attention impl, KV cache, CPU
         attention ISA) of every decoder layer, once the model is loaded; head_stream: where
         head starts draft (the walk waits for them); lm_head_logits: (hidden, lm_head) -> the
@@ -37,10 +41,12 @@ class SampleMatchVerifier:
         self.lm_head_logits = lm_head_logits
         self._no_draft: dict[int, SpecDecodeMetadata] = {}  # batch size -> vLLM's metadata
 
-    def no_draft_metadata(self, num_draft_tokens: np.ndarray,
-                          cu_num_scheduled_tokens: np.ndarray,
-                          build: Callable[[np.ndarray, np.ndarray], SpecDecodeMetadata]
-                          ) -> SpecDecodeMetadata:
+    def no_draft_metadata(
+        self,
+        num_draft_tokens: np.ndarray,
+        cu_num_scheduled_tokens: np.ndarray,
+        build: Callable[[np.ndarray, np.ndarray], SpecDecodeMetadata],
+    ) -> SpecDecodeMetadata:
         """vLLM's `SpecDecodeMetadata` for a step in which no request has drafts, as
         `build` (`GPUModelRunner._calc_spec_decode_metadata`) makes it. Without drafts every
         field but the logits indices depends on the batch size alone, so `build`'s own result
@@ -56,8 +62,10 @@ class SampleMatchVerifier:
         # vLLM's np.repeat(cu - sampled, sampled) + arange with one token sampled a request
         logits_indices = cu_num_scheduled_tokens - (num_draft_tokens + 1)
         return dataclasses.replace(
-            fixed, num_draft_tokens=num_draft_tokens.tolist(),
-            logits_indices=async_tensor_h2d(logits_indices, device=fixed.logits_indices.device))
+            fixed,
+            num_draft_tokens=num_draft_tokens.tolist(),
+            logits_indices=async_tensor_h2d(logits_indices, device=fixed.logits_indices.device),
+        )
 
     def prepare_verify(self, scheduler_output) -> None:
         """After vLLM's `_prepare_inputs` laid the scheduled drafts out as a chain."""
@@ -65,7 +73,8 @@ class SampleMatchVerifier:
         # prompt tokens run in this step (a request's prefill, or a chunk of it): more tokens
         # than one a request and its drafts
         prompt = scheduler_output.total_num_scheduled_tokens > len(
-            scheduler_output.num_scheduled_tokens) + sum(len(d) for d in spec.values())
+            scheduler_output.num_scheduled_tokens
+        ) + sum(len(d) for d in spec.values())
         if not spec:  # a plain step: nothing to lay out
             self.session.prepare_verify([], prompt_tokens=prompt)
             return
@@ -74,13 +83,21 @@ class SampleMatchVerifier:
         if self.session.options.head_start_levels:
             # the positions with a KV slot (vLLM reserves lookahead slots past the verify)
             table = batch.block_table[0]
-            kv_end = np.minimum(table.num_blocks_per_row[: batch.num_reqs] * table.block_size,
-                                runner.max_model_len)
-        requests = [VerifyRequest(i, req_id, list(spec[req_id]),
-                                  int(batch.num_computed_tokens_cpu[i]),
-                                  int(runner.query_start_loc.np[i]), int(kv_end[i]))
-                    for i, req_id in enumerate(batch.req_ids[: batch.num_reqs])
-                    if spec.get(req_id)]
+            kv_end = np.minimum(
+                table.num_blocks_per_row[: batch.num_reqs] * table.block_size, runner.max_model_len
+            )
+        requests = [
+            VerifyRequest(
+                i,
+                req_id,
+                list(spec[req_id]),
+                int(batch.num_computed_tokens_cpu[i]),
+                int(runner.query_start_loc.np[i]),
+                int(kv_end[i]),
+            )
+            for i, req_id in enumerate(batch.req_ids[: batch.num_reqs])
+            if spec.get(req_id)
+        ]
         writes = self.session.prepare_verify(requests, prompt_tokens=prompt)
         if len(writes.rows):  # one copy for every request's rewrites
             device = runner.positions.device
@@ -97,8 +114,7 @@ class SampleMatchVerifier:
         table's."""
         batch = self.runner.input_batch
         table = batch.block_table[0]
-        return PagedKv(self.kv_caches(), table.get_device_tensor(batch.num_reqs),
-                       table.block_size)
+        return PagedKv(self.kv_caches(), table.get_device_tensor(batch.num_reqs), table.block_size)
 
     def verify_forward(self):
         """Around vLLM's `_model_forward`: the tree plan of this step's verify is active."""
@@ -112,35 +128,43 @@ class SampleMatchVerifier:
             return self.runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
         batch = self.runner.input_batch
         # fp32 work in chunks of max_num_seqs rows: the size vLLM's sampler warm-up profiles
-        walk = self.session.sample_and_walk(batch.req_ids[: len(num_draft)], num_draft, logits,
-                                            sampling_metadata,
-                                            self.runner.sampler.topk_topp_sampler,
-                                            self._paged_kv,
-                                            # before the walk reads the head starts' drafts
-                                            self.head_stream.join,
-                                            self.runner.max_num_reqs,
-                                            self.lm_head_logits)
+        walk = self.session.sample_and_walk(
+            batch.req_ids[: len(num_draft)],
+            num_draft,
+            logits,
+            sampling_metadata,
+            self.runner.sampler.topk_topp_sampler,
+            self._paged_kv,
+            # before the walk reads the head starts' drafts
+            self.head_stream.join,
+            self.runner.max_num_reqs,
+            self.lm_head_logits,
+        )
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
-            logprobs = self._logprobs(logits, walk.drawn_at, walk.tokens,
-                                      sampling_metadata.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=to_device(walk.tokens, logits.device),
-                             logprobs_tensors=logprobs)
+            logprobs = self._logprobs(
+                logits, walk.drawn_at, walk.tokens, sampling_metadata.max_num_logprobs
+            )
+        return SamplerOutput(
+            sampled_token_ids=to_device(walk.tokens, logits.device), logprobs_tensors=logprobs
+        )
 
     def _logprobs(self, logits, drawn_at, tokens, max_num_logprobs):
         """Raw logprobs of the emitted tokens (and the top ones) in vLLM's padded spec-decode
         layout, from the target's logits where each token was drawn, as a plain engine
         reports them; fp32 rows max_num_seqs at a time."""
         sampler = self.runner.sampler
-        host = torch.stack([drawn_at.flatten().to(torch.int64),
-                            tokens.flatten().clamp(min=0).to(torch.int64)])
+        host = torch.stack(
+            [drawn_at.flatten().to(torch.int64), tokens.flatten().clamp(min=0).to(torch.int64)]
+        )
         at, ids = to_device(host, logits.device)  # one copy
         parts = []
         for start in range(0, at.shape[0], self.runner.max_num_reqs):
             chunk = slice(start, start + self.runner.max_num_reqs)
             rows = logits[at[chunk]].float()
-            values = rows if sampler.logprobs_mode == "raw_logits" \
-                else sampler.compute_logprobs(rows)
+            values = (
+                rows if sampler.logprobs_mode == "raw_logits" else sampler.compute_logprobs(rows)
+            )
             parts.append(sampler.gather_logprobs(values, max_num_logprobs, ids[chunk]))
         if len(parts) == 1:
             return parts[0]

@@ -25,12 +25,13 @@ class MassCalibration:
         n = int(-self.LOG_MIN * self.BINS_PER_DECADE) + 1
         self.centers = torch.tensor(
             [10 ** (self.LOG_MIN + (i + 0.5) / self.BINS_PER_DECADE) for i in range(n)],
-            dtype=torch.float64).clamp(max=1.0)
+            dtype=torch.float64,
+        ).clamp(max=1.0)
         self.hits = torch.zeros(n, dtype=torch.float64)
         self.belief = torch.zeros(n, dtype=torch.float64)
 
     def bins(self, mass: torch.Tensor) -> torch.Tensor:
-        lg = torch.log10(mass.double().clamp(min=10 ** self.LOG_MIN, max=1.0))
+        lg = torch.log10(mass.double().clamp(min=10**self.LOG_MIN, max=1.0))
         idx = ((lg - self.LOG_MIN) * self.BINS_PER_DECADE).floor().long()
         return idx.clamp(0, len(self.hits) - 1)
 

@@ -27,8 +27,9 @@ class AdaptiveDepth:
         drafted = torch.arange(p.shape[1])[None, :] < torch.tensor(reached)[:, None]
         tokens = b + float(p[drafted].sum())  # drafted[i, j]: request i drafted depth j + 1
         # after the root pass, each pass drafts one more depth (k rows) of each request in it
-        seconds = self.model.step_seconds(width, b, max(reached) - 1, width * (depths - b),
-                                          width * depths)
+        seconds = self.model.step_seconds(
+            width, b, max(reached) - 1, width * (depths - b), width * depths
+        )
         return tokens, seconds
 
     def drafting_next(self, log_mass: torch.Tensor, width: int, reached: list[int]) -> list[int]:
@@ -49,8 +50,9 @@ class AdaptiveDepth:
         cost = self.model.draft_pass[width](rows) + verify_row * rows
         return going if going and gain * seconds > tokens * cost else []
 
-    def verify_depths(self, log_mass: torch.Tensor, width: int,
-                      reached: list[int] | None = None) -> list[int]:
+    def verify_depths(
+        self, log_mass: torch.Tensor, width: int, reached: list[int] | None = None
+    ) -> list[int]:
         """How many depths of each request's tree to verify: at most its drafted depth, less
         trailing depths whose verify rows cost more than they are expected to yield at the
         step's rate. log_mass: [B, d + 1] as in drafting_next; reached: each request's drafted

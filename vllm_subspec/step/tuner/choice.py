@@ -21,8 +21,13 @@ class ShapeChoice:
     acceptance (scaled for the other lm_head, if the draft has two), and the measured rates
     (`guard`) they answer to."""
 
-    def __init__(self, model: CostModel, guard: RateGuard,
-                 acceptance: dict[int, WidthAcceptance], lm_heads: LmHeadChoice | None):
+    def __init__(
+        self,
+        model: CostModel,
+        guard: RateGuard,
+        acceptance: dict[int, WidthAcceptance],
+        lm_heads: LmHeadChoice | None,
+    ):
         self.model, self.guard, self.acceptance, self.lm_heads = model, guard, acceptance, lm_heads
 
     def best_drafting(self, batch_size: int, widths, depths) -> tuple[tuple[int, int], float]:
@@ -36,16 +41,24 @@ class ShapeChoice:
             self._switch_head(head)
         return best, rate
 
-    def best_shape(self, batch_size: int, widths, depths, head: str | None,
-                   doubt: float = 0.0) -> tuple[tuple[int, int], float]:
+    def best_shape(
+        self, batch_size: int, widths, depths, head: str | None, doubt: float = 0.0
+    ) -> tuple[tuple[int, int], float]:
         """The (width, depth) of the highest predicted rate with `head` drafting, and that
         rate (doubt: `LmHeadComparison.scale`'s, for another head)."""
-        reach = {w: self.acceptance[w].reach(
-            1.0 if self.lm_heads is None else self.lm_heads.acceptance_scale(head, w, doubt)
-        ).tolist() for w in widths}  # once per width
-        rates = {(w, d): rate for w in widths
-                 for d, rate in zip(depths, self.model.predicted_rates(w, depths, batch_size,
-                                                                       reach[w], head))}
+        reach = {
+            w: self.acceptance[w]
+            .reach(1.0 if self.lm_heads is None else self.lm_heads.acceptance_scale(head, w, doubt))
+            .tolist()
+            for w in widths
+        }  # once per width
+        rates = {
+            (w, d): rate
+            for w in widths
+            for d, rate in zip(
+                depths, self.model.predicted_rates(w, depths, batch_size, reach[w], head)
+            )
+        }
         best = max(rates, key=rates.get)  # the first of equal rates, as before
         return best, rates[best]
 
@@ -54,8 +67,10 @@ class ShapeChoice:
         one's best rate `rate` even with its acceptance one standard error lower."""
         if self.lm_heads is None or not self.lm_heads.can_switch():
             return None
-        others = {h: self.best_shape(batch_size, widths, depths, h, doubt=1.0)[1]
-                  for h in self.lm_heads.others()}
+        others = {
+            h: self.best_shape(batch_size, widths, depths, h, doubt=1.0)[1]
+            for h in self.lm_heads.others()
+        }
         head = max(others, key=others.get)
         return head if others[head] > HEAD_SWITCH_GAIN * rate else None
 
@@ -77,5 +92,8 @@ class ShapeChoice:
         measured = self.guard.verdict(batch_size) if measure else None
         if measured is None:
             return plain, rate, plain > rate
-        return self.guard.rate(False, batch_size), self.guard.rate(True, batch_size) or 0.0, \
-            not measured
+        return (
+            self.guard.rate(False, batch_size),
+            self.guard.rate(True, batch_size) or 0.0,
+            not measured,
+        )

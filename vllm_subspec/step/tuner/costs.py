@@ -26,8 +26,9 @@ class StepCosts:
     @classmethod
     def measured(cls, widths: tuple[int, ...]) -> StepCosts:
         """Fitted online from this engine's own timings."""
-        return cls({w: LinearCost() for w in (0, *widths)}, {w: LinearCost() for w in widths},
-                   LinearCost())
+        return cls(
+            {w: LinearCost() for w in (0, *widths)}, {w: LinearCost() for w in widths}, LinearCost()
+        )
 
 
 class CostModel:
@@ -36,8 +37,13 @@ class CostModel:
     past its widest is floored by plain steps' forwards (`verify_cost`). lm_heads: the draft's
     two heads, if it has two (a step drafting with the other adds their cost difference)."""
 
-    def __init__(self, widths: tuple[int, ...], costs: StepCosts, measure_rates: bool,
-                 lm_heads: LmHeadChoice | None = None):
+    def __init__(
+        self,
+        widths: tuple[int, ...],
+        costs: StepCosts,
+        measure_rates: bool,
+        lm_heads: LmHeadChoice | None = None,
+    ):
         self.widths = widths
         self.costs = costs
         self.measure_rates = measure_rates
@@ -75,8 +81,7 @@ class CostModel:
         widest = self.verify_rows[width]
         if not self.measure_rates or rows <= widest or not self.forward.known:
             return seconds
-        return max(seconds, self.verify[width](widest) + self.forward(rows)
-                   - self.forward(widest))
+        return max(seconds, self.verify[width](widest) + self.forward(rows) - self.forward(widest))
 
     def verify_row_cost(self, width: int, rows: float) -> float:
         """Seconds one more verify row costs at `rows` rows (`verify_cost`'s slope, at most)."""
@@ -89,8 +94,15 @@ class CostModel:
         """Whether `head` is another lm_head than the one drafting now."""
         return head is not None and self.lm_heads is not None and head != self.lm_heads.current
 
-    def step_seconds(self, width: int, batch_size: int, passes: int, pass_rows: int,
-                     nodes: int, head: str | None = None) -> float:
+    def step_seconds(
+        self,
+        width: int,
+        batch_size: int,
+        passes: int,
+        pass_rows: int,
+        nodes: int,
+        head: str | None = None,
+    ) -> float:
         """Predicted seconds of a step: the root pass over the B bonus tokens, `passes` later
         passes over `pass_rows` rows in all (the cost is linear in rows, so each costs what a
         pass over their mean does), and the verify of B + `nodes` rows. head: drafting with
@@ -100,30 +112,43 @@ class CostModel:
             later += self.lm_heads.extra_seconds(head, batch_size)
             if passes:
                 later += passes * self.lm_heads.extra_seconds(head, pass_rows / passes)
-        return max(self.other(0) + self.draft_pass[0](batch_size) + later
-                   + self.verify_cost(width, batch_size + nodes), 1e-9)
+        return max(
+            self.other(0)
+            + self.draft_pass[0](batch_size)
+            + later
+            + self.verify_cost(width, batch_size + nodes),
+            1e-9,
+        )
 
-    def step_seconds_like(self, like: int, batch_size: int, passes: int, pass_rows: int,
-                          nodes: int) -> float:
+    def step_seconds_like(
+        self, like: int, batch_size: int, passes: int, pass_rows: int, nodes: int
+    ) -> float:
         """`step_seconds` with width `like`'s costs (for a width not measured yet; passes
         over more rows than the root's cost, where no later pass was timed, like the root's)."""
         pass_cost = self.draft_pass[like] if self.draft_pass[like].known else self.draft_pass[0]
         later = passes * pass_cost(pass_rows / passes) if passes else 0.0
-        return self.other(0) + self.draft_pass[0](batch_size) + later \
+        return (
+            self.other(0)
+            + self.draft_pass[0](batch_size)
+            + later
             + self.verify_cost(like, batch_size + nodes)
+        )
 
-    def predicted_rate(self, width: int, depth: int, batch_size: int,
-                       reach: list[float], head: str | None = None) -> float:
+    def predicted_rate(
+        self, width: int, depth: int, batch_size: int, reach: list[float], head: str | None = None
+    ) -> float:
         """Predicted tokens/s of fixed-shape steps (width, depth) over `batch_size` requests;
         reach: the width's `WidthAcceptance.reach()` as a list (computed once per choice);
         head: the lm_head drafting (None: the current one)."""
         tokens = batch_size * (1.0 + sum(reach[:depth]))
         rows = batch_size * width
-        return tokens / self.step_seconds(width, batch_size, depth - 1, (depth - 1) * rows,
-                                          depth * rows, head)
+        return tokens / self.step_seconds(
+            width, batch_size, depth - 1, (depth - 1) * rows, depth * rows, head
+        )
 
-    def predicted_rates(self, width: int, depths, batch_size: int, reach: list[float],
-                        head: str | None = None) -> list[float]:
+    def predicted_rates(
+        self, width: int, depths, batch_size: int, reach: list[float], head: str | None = None
+    ) -> list[float]:
         """`predicted_rate` for each depth of `depths` (ascending), each fitted cost evaluated
         once: a step's passes grow linearly with its depth (one more pass over B*k rows), so a
         choice over 32 depths costs microseconds, not a millisecond."""
@@ -160,8 +185,14 @@ class CostModel:
         return batch_size / max(self.other(0) + verify(batch_size), 1e-9)
 
     # ---- measurements --------------------------------------------------------------------
-    def observe_draft(self, width: int, batch_size: int, pass_rows: list[int], seconds: float,
-                      root_seconds: float | None = None) -> None:
+    def observe_draft(
+        self,
+        width: int,
+        batch_size: int,
+        pass_rows: list[int],
+        seconds: float,
+        root_seconds: float | None = None,
+    ) -> None:
         """A step's drafting time: the root pass (B rows), then one pass per later depth over
         pass_rows[t] rows (B*k, fewer once requests drop out). The later passes are timed
         together: one observation at their mean row count (exact for a linear cost)."""

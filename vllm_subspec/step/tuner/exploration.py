@@ -24,8 +24,15 @@ class Exploration:
     """The exploration budget over `widths`, from the cost model, the measured rates (`guard`)
     and each width's acceptance."""
 
-    def __init__(self, widths: tuple[int, ...], auto_width: bool, auto_depth: bool,
-                 model: CostModel, guard: RateGuard, acceptance: dict[int, WidthAcceptance]):
+    def __init__(
+        self,
+        widths: tuple[int, ...],
+        auto_width: bool,
+        auto_depth: bool,
+        model: CostModel,
+        guard: RateGuard,
+        acceptance: dict[int, WidthAcceptance],
+    ):
         self.widths = widths
         self.auto_width, self.auto_depth = auto_width, auto_depth
         self.model, self.guard, self.acceptance = model, guard, acceptance
@@ -57,9 +64,13 @@ class Exploration:
         if not known:
             return allowance >= EXPLORE_COST * batch_size / plain
         rows = batch_size * width
-        seconds = self.model.step_seconds_like(width if width in known else max(known),
-                                               batch_size, depth - 1, (depth - 1) * rows,
-                                               depth * rows)
+        seconds = self.model.step_seconds_like(
+            width if width in known else max(known),
+            batch_size,
+            depth - 1,
+            (depth - 1) * rows,
+            depth * rows,
+        )
         tokens = batch_size * (1.0 + sum(self.acceptance[width].reach().tolist()[:depth]))
         # a predicted gain does not license losses beyond the allowance: the prediction is
         # what is not yet measured (a model that says drafting wins is what can be wrong)
@@ -76,18 +87,26 @@ class Exploration:
         if not plain or not known:
             # the first look: one depth, what a row costs is unknown (with several widths to
             # explore: their looks that follow, costed, differ in rows, so the fit gets a slope)
-            return 1 if self.model.measure_rates and self.auto_width and self.auto_depth and \
-                len(self.widths) > 1 else \
-                max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
+            return (
+                1
+                if self.model.measure_rates
+                and self.auto_width
+                and self.auto_depth
+                and len(self.widths) > 1
+                else max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
+            )
         like = width if width in known else max(known)
         budget = EXPLORE_COST * batch_size / plain
-        if self.model.measure_rates and self.model.step_seconds_like(
-                like, batch_size, 0, 0, batch_size * width) > budget:
+        if (
+            self.model.measure_rates
+            and self.model.step_seconds_like(like, batch_size, 0, 0, batch_size * width) > budget
+        ):
             return 0  # one depth alone costs more than the budget: do not explore it now
         return self._deepest_within(budget, like, width, depth, batch_size)
 
-    def _deepest_within(self, budget: float, like: int, width: int, depth: int,
-                        batch_size: int) -> int:
+    def _deepest_within(
+        self, budget: float, like: int, width: int, depth: int, batch_size: int
+    ) -> int:
         """The deepest depth up to `depth` whose step, costed like width `like`, takes at most
         `budget` seconds, else 1: a step's seconds grow with its depth (one more pass, more
         verify rows; every cost is non-decreasing in rows), so a bisection finds it in
@@ -97,8 +116,12 @@ class Exploration:
         low, high = 1, max(1, depth)
         while low < high:
             mid = (low + high + 1) // 2
-            if self.model.step_seconds_like(like, batch_size, mid - 1, (mid - 1) * rows,
-                                            mid * rows) > budget:
+            if (
+                self.model.step_seconds_like(
+                    like, batch_size, mid - 1, (mid - 1) * rows, mid * rows
+                )
+                > budget
+            ):
                 high = mid - 1
             else:
                 low = mid

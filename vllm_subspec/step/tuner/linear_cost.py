@@ -87,8 +87,9 @@ class RowsCurve:
         if n < 2 or rows < self._rows[0]:
             return 0.0
         i = min(max(bisect.bisect_left(self._rows, rows), 1), n - 1)
-        slope = (self._seconds[i] - self._seconds[i - 1]) / \
-            max(self._rows[i] - self._rows[i - 1], 1e-9)
+        slope = (self._seconds[i] - self._seconds[i - 1]) / max(
+            self._rows[i] - self._rows[i - 1], 1e-9
+        )
         if rows > self._rows[-1]:  # no steeper than the widest point's seconds per row
             slope = min(slope, self._seconds[-1] / max(self._rows[-1], 1e-9))
         return slope

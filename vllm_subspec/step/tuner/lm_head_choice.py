@@ -34,8 +34,9 @@ class LmHeadComparison:
     (accepted at width w iff rank < w). A switch is judged on the other head's rate less
     `doubt` standard errors of the paired difference."""
 
-    def __init__(self, heads: tuple[str, ...], widths: tuple[int, ...] = (1,),
-                 decay: float = HEAD_DECAY):
+    def __init__(
+        self, heads: tuple[str, ...], widths: tuple[int, ...] = (1,), decay: float = HEAD_DECAY
+    ):
         self.decay = decay
         self.widths = widths
         self.n = 0.0
@@ -51,7 +52,8 @@ class LmHeadComparison:
             for h, hits in self.hits.items():
                 hits[w] = self.decay * hits[w] + float(right[h])
             self.discordant[w] = self.decay * self.discordant[w] + float(
-                len(set(right.values())) > 1)
+                len(set(right.values())) > 1
+            )
 
     def rate(self, head: str, width: int) -> float:
         return (self.hits[head][width] + 1.0) / (self.n + 2.0)  # prior 1/2, worth two roots
@@ -91,9 +93,11 @@ class LmHeadChoice:
             self.current = self.heads[0]
             return
         self.current = min(self.heads, key=lambda h: (self.costs[h](rows), self.heads.index(h)))
-        logger.info("vllm-subspec: drafting with the %s lm_head first (its logits timed "
-                    "cheapest: %s)", self.current, ", ".join(
-                        f"{h} {1e3 * self.costs[h](rows):.2f} ms" for h in self.heads))
+        logger.info(
+            "vllm-subspec: drafting with the %s lm_head first (its logits timed cheapest: %s)",
+            self.current,
+            ", ".join(f"{h} {1e3 * self.costs[h](rows):.2f} ms" for h in self.heads),
+        )
 
     def compare_this_step(self) -> bool:
         """Called once per drafting step: whether it compares the heads (every step until
@@ -104,8 +108,12 @@ class LmHeadChoice:
     def observe_ranks(self, ranks: dict[str, int | None]) -> None:
         self.compared.add(ranks)
 
-    def observe_paths(self, paths: list[tuple[StoredTree, list[int], torch.Tensor]],
-                      max_rows: int | None, lm_head_logits: LmHeadLogits) -> None:
+    def observe_paths(
+        self,
+        paths: list[tuple[StoredTree, list[int], torch.Tensor]],
+        max_rows: int | None,
+        lm_head_logits: LmHeadLogits,
+    ) -> None:
         """Score both lm_heads on the same target draws, paired (`LmHeadComparison`): along
         each accepted path (tree, its nodes: the root, then the accepted ones, and the
         target's draws after them), the rank of the target's draw after each node a pass ran
@@ -121,11 +129,12 @@ class LmHeadChoice:
         tops: dict[str, list[list[int]]] = {h: [] for h in self.heads}
         for start in range(0, len(draws), chunk):
             for h in self.heads:
-                logits = lm_head_logits(rows[start: start + chunk], h)
+                logits = lm_head_logits(rows[start : start + chunk], h)
                 tops[h].extend(logits.topk(top, dim=-1).indices.tolist())
         for j, drawn in enumerate(draws):
-            self.observe_ranks({h: t[j].index(drawn) if drawn in t[j] else None
-                                for h, t in tops.items()})
+            self.observe_ranks(
+                {h: t[j].index(drawn) if drawn in t[j] else None for h, t in tops.items()}
+            )
 
     def can_switch(self) -> bool:
         return self.compared.n >= COMPARE_UNTIL / 2
@@ -141,28 +150,38 @@ class LmHeadChoice:
 
     def acceptance_scale(self, head: str, width: int, doubt: float = 0.0) -> float:
         """P(accepted) drafting with `head` over that with the current head, per depth."""
-        return 1.0 if head == self.current else \
-            self.compared.scale(head, self.current, width, doubt)
+        return (
+            1.0 if head == self.current else self.compared.scale(head, self.current, width, doubt)
+        )
 
     def switch(self, head: str) -> None:
         c = self.compared
-        logger.info("vllm-subspec: drafting with the %s lm_head (acceptance at widths %s: %s vs "
-                    "%s with the %s one, paired)", head, list(c.widths),
-                    [round(c.rate(head, w), 3) for w in c.widths],
-                    [round(c.rate(self.current, w), 3) for w in c.widths], self.current)
+        logger.info(
+            "vllm-subspec: drafting with the %s lm_head (acceptance at widths %s: %s vs "
+            "%s with the %s one, paired)",
+            head,
+            list(c.widths),
+            [round(c.rate(head, w), 3) for w in c.widths],
+            [round(c.rate(self.current, w), 3) for w in c.widths],
+            self.current,
+        )
         self.current = head
         self.switches += 1
 
 
-def _rows_passes_ran_from(paths: list[tuple[StoredTree, list[int], torch.Tensor]]
-                          ) -> tuple[torch.Tensor | None, list[int]]:
+def _rows_passes_ran_from(
+    paths: list[tuple[StoredTree, list[int], torch.Tensor]],
+) -> tuple[torch.Tensor | None, list[int]]:
     """The hidden states [N, H] of the path nodes a pass ran from (depth < the tree's
     hidden_depth) and the target's draw after each (None, []: none)."""
     hidden, draws = [], []
     for tree, nodes, emitted in paths:
         depths = tree.depths()
-        ran = [(node, drawn) for node, drawn in zip(nodes, emitted.tolist())
-               if depths[node] < tree.hidden_depth]
+        ran = [
+            (node, drawn)
+            for node, drawn in zip(nodes, emitted.tolist())
+            if depths[node] < tree.hidden_depth
+        ]
         if ran:  # one gather per tree
             hidden.append(tree.node_hidden[[node for node, _ in ran]])
             draws += [drawn for _, drawn in ran]

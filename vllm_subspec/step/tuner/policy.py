@@ -42,10 +42,18 @@ class ShapePolicy:
     """The shape across steps: the chosen (width, depth) (depth 0: no draft), the best drafting
     shape of the last choice, and the schedules of exploration and probe steps."""
 
-    def __init__(self, widths: tuple[int, ...], max_depth: int, auto_width: bool,
-                 auto_depth: bool, model: CostModel, guard: RateGuard,
-                 acceptance: dict[int, WidthAcceptance], exploration: Exploration,
-                 choice: ShapeChoice):
+    def __init__(
+        self,
+        widths: tuple[int, ...],
+        max_depth: int,
+        auto_width: bool,
+        auto_depth: bool,
+        model: CostModel,
+        guard: RateGuard,
+        acceptance: dict[int, WidthAcceptance],
+        exploration: Exploration,
+        choice: ShapeChoice,
+    ):
         self.widths, self.max_depth = widths, max_depth
         self.auto_width, self.auto_depth = auto_width, auto_depth
         self.model, self.guard, self.acceptance = model, guard, acceptance
@@ -86,13 +94,20 @@ class ShapePolicy:
         return self._deeper_look(batch_size) or self._chosen_shape_step(batch_size) or plain
 
     def _plain_unmeasured(self, batch_size: int) -> bool:
-        return self.auto_depth and self.model.measure_rates \
+        return (
+            self.auto_depth
+            and self.model.measure_rates
             and self.guard.rate(False, batch_size) is None
+        )
 
     def _rechoose_if_measured_slower(self, batch_size: int) -> None:
         """Drafting measured to lose: plain now, not at the next choice."""
-        if self.auto_depth and self.model.measure_rates and self.depth != 0 \
-                and self.guard.verdict(batch_size) is False:
+        if (
+            self.auto_depth
+            and self.model.measure_rates
+            and self.depth != 0
+            and self.guard.verdict(batch_size) is False
+        ):
             self.choose(batch_size)
 
     def _next_shape(self, batch_size: int) -> StepPlan | None:
@@ -113,10 +128,17 @@ class ShapePolicy:
         if not (self.auto_width and unexplored):
             return False
         width = self.exploration.width(unexplored, self.width, batch_size)
-        depth = self.exploration.depth(width, self.max_depth, batch_size) \
-            if self.auto_depth else self.max_depth  # a fixed depth is never changed
-        if not depth or self.model.measure_rates and self.guard.exploration_loses(batch_size) \
-                or not self.exploration.affordable(width, depth, batch_size):
+        depth = (
+            self.exploration.depth(width, self.max_depth, batch_size)
+            if self.auto_depth
+            else self.max_depth
+        )  # a fixed depth is never changed
+        if (
+            not depth
+            or self.model.measure_rates
+            and self.guard.exploration_loses(batch_size)
+            or not self.exploration.affordable(width, depth, batch_size)
+        ):
             return False
         self.width, self.depth = width, depth
         self.exploring = self.auto_depth  # (kept apart from the chosen shapes' rate)
@@ -127,14 +149,23 @@ class ShapePolicy:
         """Every RECHOOSE_EVERY steps; after exploring, a chosen shape again, once; a fixed
         width's first trees: each new one re-chooses (exploration waiting for its allowance,
         or a fixed width not drafting, does not re-choose every step)."""
-        return self.steps % RECHOOSE_EVERY == 1 or bool(unexplored) and (
-            self._explored_shape
-            or not self.auto_width and self._trees_seen() != self._trees_at_choice)
+        return (
+            self.steps % RECHOOSE_EVERY == 1
+            or bool(unexplored)
+            and (
+                self._explored_shape
+                or not self.auto_width
+                and self._trees_seen() != self._trees_at_choice
+            )
+        )
 
     def _stale_width_step(self, batch_size: int) -> StepPlan | None:
         """One step of the least recently run width keeps its statistics current."""
-        if not (self.auto_width and self.depth != 0
-                and self.steps % (RECHOOSE_EVERY * REEXPLORE_EVERY) == 0):
+        if not (
+            self.auto_width
+            and self.depth != 0
+            and self.steps % (RECHOOSE_EVERY * REEXPLORE_EVERY) == 0
+        ):
             return None
         depth = self._stale_depth(batch_size)
         if not depth:
@@ -171,8 +202,11 @@ class ShapePolicy:
         return StepPlan(TreeShape(width, depth), True, False)
 
     def _plain_probe(self, batch_size: int) -> bool:
-        return self.auto_depth and self.model.measure_rates \
+        return (
+            self.auto_depth
+            and self.model.measure_rates
             and self.guard.wants_plain_probe(batch_size, self.steps)
+        )
 
     def _fixed_depth_step(self) -> StepPlan:
         self.last_run[self.width] = self.steps
@@ -200,12 +234,14 @@ class ShapePolicy:
         depth = self.exploration.depth(width, self.depth, batch_size) if full else self.depth
         if depth == 0:  # not even one depth is affordable as exploration: a regular step
             full, depth = False, self.depth
-        if not full and not (self.model.draft_pass[width].known
-                             and self.model.verify[width].known):
+        if not full and not (self.model.draft_pass[width].known and self.model.verify[width].known):
             # the adaptive stop weighs costs this width has not measured yet: capped rows
             depth = max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
-        if self.model.measure_rates and not self.guard.verdict(batch_size) \
-                and not self.exploration.affordable(width, depth, batch_size):
+        if (
+            self.model.measure_rates
+            and not self.guard.verdict(batch_size)
+            and not self.exploration.affordable(width, depth, batch_size)
+        ):
             return None
         self.last_run[width] = self.steps
         self.exploring = full or self.exploring
@@ -233,17 +269,35 @@ class ShapePolicy:
             self._log_choice(best, plain, rate, batch_size)
         self.width, self.depth = best
 
-    def _log_choice(self, best: tuple[int, int], plain: float, rate: float,
-                    batch_size: int) -> None:
+    def _log_choice(
+        self, best: tuple[int, int], plain: float, rate: float, batch_size: int
+    ) -> None:
         if best[1] == 0:
-            logger.info("vllm-subspec: no draft: plain decoding predicted faster (%.1f vs "
-                        "%.1f tok/s at batch %d); probe steps draft one in %d, backing "
-                        "off to one in %d", plain, rate, batch_size, RECHOOSE_EVERY,
-                        MAX_PROBE_EVERY)
+            logger.info(
+                "vllm-subspec: no draft: plain decoding predicted faster (%.1f vs "
+                "%.1f tok/s at batch %d); probe steps draft one in %d, backing "
+                "off to one in %d",
+                plain,
+                rate,
+                batch_size,
+                RECHOOSE_EVERY,
+                MAX_PROBE_EVERY,
+            )
         elif not self.model.known_widths():
             # no verify timed yet: every cost reads 0, the predicted rate infinite
-            logger.info("vllm-subspec: tree shape %dx%d (width x max depth) at batch %d, "
-                        "its costs not measured yet", best[0], best[1], batch_size)
+            logger.info(
+                "vllm-subspec: tree shape %dx%d (width x max depth) at batch %d, "
+                "its costs not measured yet",
+                best[0],
+                best[1],
+                batch_size,
+            )
         else:
-            logger.info("vllm-subspec: tree shape %dx%d (width x max depth), predicted "
-                        "%.1f tok/s at batch %d", best[0], best[1], rate, batch_size)
+            logger.info(
+                "vllm-subspec: tree shape %dx%d (width x max depth), predicted "
+                "%.1f tok/s at batch %d",
+                best[0],
+                best[1],
+                rate,
+                batch_size,
+            )

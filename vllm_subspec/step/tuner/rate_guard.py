@@ -49,8 +49,9 @@ class RateGuard:
         self.lost: dict[int, float] = {}
         self.balance: dict[int, float] = {}  # the allowance (`allowance`)
 
-    def add(self, drafted: bool, batch_size: int, tokens: int, seconds: float,
-            exploring: bool = False) -> None:
+    def add(
+        self, drafted: bool, batch_size: int, tokens: int, seconds: float, exploring: bool = False
+    ) -> None:
         """One step: `tokens` emitted for `batch_size` requests in `seconds` of wall time
         (exploring: an exploration step, kept apart from the chosen shapes' drafting)."""
         if seconds <= 0 or batch_size <= 0:
@@ -93,8 +94,10 @@ class RateGuard:
             return None
         if draft is None:  # a clear loss need not wait for MIN_STEPS
             key = (True, batch_bucket(batch_size))
-            if self.steps.get(key, 0.0) >= CLEAR_LOSS_STEPS and \
-                    self.tokens[key] / self.seconds[key] < CLEAR_LOSS * plain:
+            if (
+                self.steps.get(key, 0.0) >= CLEAR_LOSS_STEPS
+                and self.tokens[key] / self.seconds[key] < CLEAR_LOSS * plain
+            ):
                 return False
             return None
         return draft > plain
@@ -105,8 +108,11 @@ class RateGuard:
         only cost more."""
         plain = self.rate(False, batch_size)
         key: tuple[bool | str, int] = ("explore", batch_bucket(batch_size))
-        return plain is not None and self.steps.get(key, 0.0) >= CLEAR_LOSS_STEPS and \
-            self.tokens[key] / self.seconds[key] < CLEAR_LOSS * plain
+        return (
+            plain is not None
+            and self.steps.get(key, 0.0) >= CLEAR_LOSS_STEPS
+            and self.tokens[key] / self.seconds[key] < CLEAR_LOSS * plain
+        )
 
     def wants_plain_probe(self, batch_size: int, step: int) -> bool:
         """Whether this drafting step should run plain instead, to keep plain's rate current:

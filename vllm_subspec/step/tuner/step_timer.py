@@ -27,8 +27,14 @@ class StepTimer:
         self._verify_seconds: float | None = None  # the last tree verify's, for the tuner
         self._last_draft_end: float | None = None
 
-    def proposed(self, start: float, end: float, drafted: bool, req_ids: list[str],
-                 step_start: float | None = None) -> float:
+    def proposed(
+        self,
+        start: float,
+        end: float,
+        drafted: bool,
+        req_ids: list[str],
+        step_start: float | None = None,
+    ) -> float:
         """A proposal drafted (or planned plain) from `start` to `end`; step_start: the
         step's own start, for its measured rate (the plan's time: vLLM's draft inputs between
         the two are the step's too; None: `start`). Returns the step's seconds."""
@@ -73,6 +79,10 @@ class StepTimer:
         started, drafted, requests = step
         if not requests.issuperset(req_ids):
             return
-        self.tuner.observe_step(drafted, len(requests),
-                                tokens if drafted and tokens else len(requests), now - started,
-                                decode_only=decode_only)
+        self.tuner.observe_step(
+            drafted,
+            len(requests),
+            tokens if drafted and tokens else len(requests),
+            now - started,
+            decode_only=decode_only,
+        )

@@ -31,9 +31,15 @@ class ShapeTuner:
     step) and `observe_tree` (what was accepted) report what happened. `costs`: the cost model
     (default: measured online)."""
 
-    def __init__(self, widths: tuple[int, ...], max_depth: int, auto_width: bool,
-                 auto_depth: bool, costs: StepCosts | None = None,
-                 lm_heads: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        widths: tuple[int, ...],
+        max_depth: int,
+        auto_width: bool,
+        auto_depth: bool,
+        costs: StepCosts | None = None,
+        lm_heads: tuple[str, ...] = (),
+    ):
         self.widths = widths
         self.max_depth = max_depth
         self.auto_width, self.auto_depth = auto_width, auto_depth
@@ -41,18 +47,32 @@ class ShapeTuner:
         self.lm_heads = LmHeadChoice(lm_heads, widths) if len(lm_heads) > 1 else None
         self._only_lm_head = lm_heads[0] if len(lm_heads) == 1 else None
         # given costs decide alone (`use_costs`)
-        self.model = CostModel(widths, costs or StepCosts.measured(widths),
-                               measure_rates=costs is None, lm_heads=self.lm_heads)
+        self.model = CostModel(
+            widths,
+            costs or StepCosts.measured(widths),
+            measure_rates=costs is None,
+            lm_heads=self.lm_heads,
+        )
         self.calibration = MassCalibration()
         self.acceptance = {w: WidthAcceptance(max_depth) for w in widths}
         # the rates drafting and plain steps reach as they run: where both are measured at a
         # batch size, they decide between drafting and plain decoding instead of the model
         self.guard = RateGuard()
-        self.exploration = Exploration(widths, auto_width, auto_depth, self.model, self.guard,
-                                       self.acceptance)
+        self.exploration = Exploration(
+            widths, auto_width, auto_depth, self.model, self.guard, self.acceptance
+        )
         self.choice = ShapeChoice(self.model, self.guard, self.acceptance, self.lm_heads)
-        self.policy = ShapePolicy(widths, max_depth, auto_width, auto_depth, self.model,
-                                  self.guard, self.acceptance, self.exploration, self.choice)
+        self.policy = ShapePolicy(
+            widths,
+            max_depth,
+            auto_width,
+            auto_depth,
+            self.model,
+            self.guard,
+            self.acceptance,
+            self.exploration,
+            self.choice,
+        )
         self.adaptive_depth = AdaptiveDepth(self.calibration, self.model, auto_depth)
 
     def use_costs(self, costs: StepCosts) -> None:
@@ -100,14 +120,21 @@ class ShapeTuner:
         """`AdaptiveDepth.drafting_next`: the requests that draft one more depth."""
         return self.adaptive_depth.drafting_next(log_mass, width, reached)
 
-    def verify_depths(self, log_mass: torch.Tensor, width: int,
-                      reached: list[int] | None = None) -> list[int]:
+    def verify_depths(
+        self, log_mass: torch.Tensor, width: int, reached: list[int] | None = None
+    ) -> list[int]:
         """`AdaptiveDepth.verify_depths`: how many depths of each tree to verify."""
         return self.adaptive_depth.verify_depths(log_mass, width, reached)
 
     # ---- measurements --------------------------------------------------------------------
-    def observe_draft(self, width: int, batch_size: int, pass_rows: list[int], seconds: float,
-                      root_seconds: float | None = None) -> None:
+    def observe_draft(
+        self,
+        width: int,
+        batch_size: int,
+        pass_rows: list[int],
+        seconds: float,
+        root_seconds: float | None = None,
+    ) -> None:
         """`CostModel.observe_draft`: a step's drafting time."""
         self.model.observe_draft(width, batch_size, pass_rows, seconds, root_seconds)
 
@@ -117,20 +144,23 @@ class ShapeTuner:
     def observe_other(self, seconds: float) -> None:
         self.model.observe_other(seconds)
 
-    def observe_step(self, drafted: bool, batch_size: int, tokens: int, seconds: float,
-                     decode_only: bool = True) -> None:
+    def observe_step(
+        self, drafted: bool, batch_size: int, tokens: int, seconds: float, decode_only: bool = True
+    ) -> None:
         """A whole engine step as it ran (`RateGuard.add`): drafted or plain, its requests,
         the tokens they emitted, its wall time from one proposal to the next. Called before
         the next step is planned; an exploration step's rate is not counted. A plain step
         whose requests each ran one token (`decode_only`: no prompt chunk in it) is also a
         forward over B rows (`CostModel.forward`)."""
-        self.guard.add(drafted, batch_size, tokens, seconds,
-                       exploring=drafted and self.policy.exploring)
+        self.guard.add(
+            drafted, batch_size, tokens, seconds, exploring=drafted and self.policy.exploring
+        )
         if not drafted and decode_only:
             self.model.observe_plain_forward(batch_size, seconds)
 
-    def observe_tree(self, width: int, level_log_mass: list[float], accepted: int,
-                     verified_depth: int) -> None:
+    def observe_tree(
+        self, width: int, level_log_mass: list[float], accepted: int, verified_depth: int
+    ) -> None:
         """One request's verified tree: level_log_mass[j] = log frontier mass at depth j."""
         if verified_depth < 1:
             return
@@ -141,7 +171,9 @@ class ShapeTuner:
 
     def describe(self) -> str:
         head = f", {self.lm_head} lm_head" if self.lm_head else ""
-        return (f"width {self.width}, max depth {self.depth}{head}, draft pass "
-                f"{1e3 * self.draft_pass[self.width](self.width):.1f} ms at k rows, verify "
-                f"{1e3 * self.verify[self.width](1):.1f} ms + "
-                f"{1e3 * self.verify[self.width].per_row():.2f} ms/row")
+        return (
+            f"width {self.width}, max depth {self.depth}{head}, draft pass "
+            f"{1e3 * self.draft_pass[self.width](self.width):.1f} ms at k rows, verify "
+            f"{1e3 * self.verify[self.width](1):.1f} ms + "
+            f"{1e3 * self.verify[self.width].per_row():.2f} ms/row"
+        )
