@@ -67,6 +67,9 @@ def parse_args():
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--tree", default="6x48", help="KxD")
+    ap.add_argument("--skip-default", action="store_true",
+                    help="skip the default config's engine (`{\"method\": \"subspec\"}`, what "
+                         "users run), timed beside the fixed tree")
     ap.add_argument("--max-num-seqs", type=int, default=4,
                     help="requests in flight at most (the prompts are run one at a time, then "
                     "as one batch); SubSpec's profile holds a verify's logits for this many "
@@ -387,6 +390,9 @@ def main():
         total_gb = args.gpu_memory_gb or 80.0
         for name, plan in engine_plans(args, ModelShape.of(model), total_gb).items():
             mem = plan["memory"]
+            if name == "subspec" and not args.skip_default:
+                print('[gpu_offload] subspec default-config engine: the subspec engine below '
+                      'with speculative_config={"method": "subspec"} (auto 6x48 at most)')
             print(f"[gpu_offload] {name} engine: {plan['offloaded_layers']} layers offloaded; "
                   f"speculative_config={json.dumps(plan['speculative_config'])}; "
                   f"{json.dumps(plan['engine'])}; limit {args.memory_gb:.1f} GB, reserve "
@@ -423,6 +429,13 @@ def main():
     spec = run_engine(model, prompts, params, plans["subspec"]["speculative_config"],
                       probe=lambda llm: profiled_steps(llm, prompts[:2], params),
                       **plans["subspec"]["engine"])
+    default = None
+    if not args.skip_default:  # what users run: the auto shape, within the same memory plan
+        from subspec_testing.harness import step_stats
+
+        default = run_engine(model, prompts, params, {"method": "subspec"},
+                             probe=lambda llm: llm.collective_rpc(step_stats)[0],
+                             **plans["subspec"]["engine"])
     steps = max(spec.draft_steps, 1)
     draft_pass_ms = 1e3 * spec.draft_seconds / steps / depth
     # the projection's overlap applies only where SubSpec runs the prefetch offloader
@@ -453,6 +466,20 @@ def main():
         "identical": f"{count_identical(plain.batched.token_ids, spec.batched.token_ids)}"
                      f"/{len(prompts)}",
     }
+    if default is not None:
+        stats = default.probed
+        report.update({
+            "default_config_tokens_per_second": default.timed.tokens_per_second,
+            "default_config_ratio_to_plain":
+                default.timed.tokens_per_second / plain.timed.tokens_per_second,
+            "default_config_tau": default.timed.stats.tau,
+            # counted from engine start (its warm-up request included)
+            "default_config_first_drafting_step": stats["first_drafting_step"],
+            "default_config_plain_step_share": stats["plain_steps"] / max(stats["draft_steps"], 1),
+            "default_config_identical":
+                f"{count_identical(plain.batched.token_ids, default.batched.token_ids)}"
+                f"/{len(prompts)}",
+        })
     if dummy:  # τ from random weights says nothing: the paper's, with this GPU's costs
         report["PROJECTED_speedup_at_the_papers_tau_27.08_D48"] = projected_speedup(
             27.08, 48, setting)

@@ -19,6 +19,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # callable collective_rpc
 
 NUM_PROMPTS, NEW_TOKENS = 8, 96
+# the default config's warm-up where weights stream (docs/shape_tuner.md, "Priced before the
+# first step"): two plain steps measure plain's rate, the third is priced and drafts; a few
+# steps' margin for a batch that forms over the first steps (prompts join a step or two apart)
+AUTO_FIRST_DRAFT_WITHIN = 8
 # every engine's settings (scripts/gpu_check.sh --dry-run prints them): max_num_seqs explicit,
 # since vLLM's default on a large GPU (1024) makes the profiling pass, the sampler's and the
 # tree's warm-ups over that many rows, take gigabytes
@@ -73,6 +77,7 @@ def _layout(worker):
     return {
         "draft_steps": stats.draft_steps,
         "plain_steps": stats.plain_steps,
+        "first_drafting_step": stats.first_drafting_step,
         "draft_graph_passes": stats.draft_graph_passes,
         "draft_graph_steps": stats.draft_graph_steps,
         "substituted": sorted(subs.layers),
@@ -141,6 +146,9 @@ def test_greedy_lossless_with_offload(prompts, fp32_rescorer, offload, enforce_e
     # 4-bit codes + 16-bit scale and zero per 64 weights: 4.5/16 of the bf16 bytes (the
     # draft's quantized lm_head is an extra copy, not counted: test_substitute.py on CPU)
     assert 0.25 < layout["substitute_share"] < 0.32
+    # the default config (an auto shape) drafts from its documented warm-up on, not after the
+    # ~150 plain steps an unpriced first look waited for (a fixed chain from its first step)
+    assert 0 < layout["first_drafting_step"] <= AUTO_FIRST_DRAFT_WITHIN, layout
     # drafts were accepted (random-looking drafts would give τ = 1) ...
     assert layout["tau"] > 1.0, layout
     # ... and with CUDA graphs every step that drafted dispatched at least one draft pass to a

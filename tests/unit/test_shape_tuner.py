@@ -154,6 +154,12 @@ class World:
     def t_verify(self, rows):
         return self.verify_cost[0] + self.verify_cost[1] * rows
 
+    def time_draft_pass(self, tuner):
+        """What the proposer measures before the first step (`price_draft_pass`): a draft
+        pass at 1, k and 4k rows."""
+        for rows in (1, 6, 24):
+            tuner.model.seed_draft_pass(rows, self.t_pass(rows))
+
     def request_cont(self, k, i, head=None):
         c = self.cont[k]
         c = c[i % len(c)] if isinstance(c, tuple) else c
@@ -680,14 +686,19 @@ def test_no_exploration_step_stalls_a_burst_at_any_batch_size():
         assert worst <= 12 * plain_step, (batch_size, worst / plain_step)
 
 
+@pytest.mark.parametrize("priced", [False, True])
 @pytest.mark.parametrize("machine", sorted(MACHINES))
-def test_first_runs_cost_at_most_a_few_percent_where_plain_wins(machine):
+def test_first_runs_cost_at_most_a_few_percent_where_plain_wins(machine, priced):
     """Exploration bounded (`RateGuard.allowance`): the never-slower benchmark's sequence (a
     run of 256 steps at one request, then three runs of 64 steps at 8, then at 32 requests)
     on each machine's cost table. Every run where plain wins, the first at a batch size
-    included, keeps >= 0.97x plain's rate; where drafting wins, the runs after the first gain."""
+    included, keeps >= 0.97x plain's rate; where drafting wins, the runs after the first gain.
+    priced: a draft pass timed before the first step (`CostModel.seed_draft_pass`), as an
+    engine does, so the first steps are priced, not waited for."""
     world = World(**MACHINES[machine], seed=7)
     tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+    if priced:
+        world.time_draft_pass(tuner)
     for batch_size, steps in ((1, 256), (8, 64), (8, 64), (8, 64), (32, 64), (32, 64),
                               (32, 64)):
         ran = [world.step(tuner, batch_size) for _ in range(steps)]
@@ -803,3 +814,39 @@ def test_a_batch_past_the_knee_is_not_probed_at_the_cost_one_request_measured():
         assert rate >= 0.99 * plain, (batch_size, rate / plain)
     ran = [world.step(tuner, 1) for _ in range(256)]
     assert sum(t for t, _, _ in ran) / sum(s for _, s, _ in ran) > 1.05 * world.plain_rate(1)
+
+
+# Where weights stream (Qwen2.5-7B at 8 GB over PCIe 4: 26 layers of 0.466 GB at ~25 GB/s, a
+# forward ~0.48 s whatever its rows; the H200's CUDA-graph draft pass 6.0 ms): a tree step
+# costs about one plain step, and deep trees pay.
+STREAMING = dict(cont={1: 0.8, 2: 0.86, 4: 0.9, 6: 0.92}, pass_cost=(0.006, 0.00002),
+                 verify_cost=(0.48, 0.00005), other=0.002, plain_step=(0.48, 0.00005))
+
+
+@pytest.mark.parametrize("batch_sizes", [(1,), (8,), (32,), (1, 2, 3, 4, 5, 6, 7, 8)])
+def test_where_weights_stream_drafting_starts_within_a_few_steps(batch_sizes):
+    """Priced before the first step (the draft pass timed at start, the first plain steps'
+    time): a fresh engine drafts from its third step at the first batch size, and from its
+    first at a batch size it has not run (staggered arrivals: 1, 2, ..., 8 requests, 16 steps
+    each), where the allowance alone would wait ~150 plain steps per batch size. Its first
+    64 steps at each batch size emit >= 3x plain's tokens/s."""
+    world = World(**STREAMING, seed=2)
+    tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+    world.time_draft_pass(tuner)
+    for n, batch_size in enumerate(batch_sizes):
+        ran = [world.step(tuner, batch_size) for _ in range(64 if len(batch_sizes) == 1 else 16)]
+        first = next(i for i, (_, _, passes) in enumerate(ran) if passes)
+        assert first <= (2 if n == 0 else 0), (batch_size, first)
+        if len(batch_sizes) == 1:
+            rate = sum(t for t, _, _ in ran) / sum(s for _, s, _ in ran)
+            assert rate >= 3 * world.plain_rate(batch_size), rate / world.plain_rate(batch_size)
+
+
+def test_unpriced_the_first_look_still_waits_for_the_allowance():
+    """Without the draft pass timed at start (a given engine that cannot price a step), the
+    first look waits for the allowance, as before: the priced start is what changed it."""
+    world = World(**STREAMING, seed=2)
+    tuner = ShapeTuner((1, 2, 4, 6), 32, auto_width=True, auto_depth=True)
+    ran = [world.step(tuner, 1) for _ in range(PLAIN_BEFORE_FIRST_LOOK + 4)]
+    first = next(i for i, (_, _, passes) in enumerate(ran) if passes)
+    assert first >= PLAIN_BEFORE_FIRST_LOOK - 2, first

@@ -552,24 +552,41 @@ def test_each_step_reaches_the_tuner_with_its_tokens_and_wall_time():
     assert len(seen) == 3
 
 
-def test_a_step_after_prompt_tokens_is_plain_while_the_batch_forms():
+def test_a_step_after_prompt_tokens_drafts_only_what_its_costs_allow():
     """A burst's requests join a step or a few apart: after a step that ran prompt tokens
-    (`prepare_verify(prompt_tokens=True)`), an auto shape plans plain without asking its tuner
-    (drafting for the requests already in would run every pass before the others' prefill);
-    the next decode step is the tuner's again. A fixed shape drafts as configured."""
+    (`prepare_verify(prompt_tokens=True)`), the session asks its tuner with `after_prompt`,
+    which caps drafting at what delays the next step's prefill by one plain step: an engine
+    that has priced nothing plans plain; one where a pass costs a hundredth of a plain step
+    (weights streamed) drafts as deep as the tuner chose; one where a pass costs as much as a
+    plain step (a CPU) drafts one depth. A fixed shape drafts as configured."""
     options = SubSpecOptions.from_dict({"tree_width": "auto", "tree_depth": "auto"})
-    tuner = plain_measured(ShapeTuner(options.widths, 6, options.auto_width,
-                                      options.auto_depth), 2)
-    asked = []
-    plan_step = tuner.plan_step
-    tuner.plan_step = lambda b: asked.append(b) or plan_step(b)
-    session = StepSession(options, tuner, clock=FakeClock())
-    session.prepare_verify([], prompt_tokens=True)
+
+    def session_after_prompt(pass_seconds: float | None) -> tuple[StepSession, list]:
+        tuner = plain_measured(ShapeTuner(options.widths, 6, options.auto_width,
+                                          options.auto_depth), 2)
+        if pass_seconds is not None:
+            for rows in (1, 8, 32):  # a draft pass timed at start, flat in rows
+                tuner.model.seed_draft_pass(rows, pass_seconds)
+            tuner.model.observe_plain_forward(2, 1.0)
+        asked = []
+        plan_step = tuner.plan_step
+        tuner.plan_step = lambda b, after: asked.append((b, after)) or plan_step(b, after)
+        session = StepSession(options, tuner, clock=FakeClock())
+        session.prepare_verify([], prompt_tokens=True)
+        return session, asked
+
+    session, asked = session_after_prompt(None)
     plan = session.plan_step(["r0", "r1"])
-    assert plan.shape.depth == 0 and asked == [] and session.stats.plain_steps == 1
+    assert asked == [(2, True)] and plan.shape.depth == 0 and session.stats.plain_steps == 1
     session.prepare_verify([], prompt_tokens=False)
     session.plan_step(["r0", "r1"])
-    assert asked == [2]
+    assert asked[-1] == (2, False)
+    session, _ = session_after_prompt(0.01)  # 1 plain step: the root and 99 passes
+    assert session.plan_step(["r0", "r1"]).shape.depth == 6
+    session, _ = session_after_prompt(0.6)  # the root pass and no later one
+    assert session.plan_step(["r0", "r1"]).shape.depth == 1
+    session, _ = session_after_prompt(1.2)  # the root pass alone is more than a plain step
+    assert session.plan_step(["r0", "r1"]).shape.depth == 0
     fixed = SubSpecOptions.from_dict({"tree_width": 2, "tree_depth": 3})
     session = StepSession(fixed, None, clock=FakeClock())
     session.prepare_verify([], prompt_tokens=True)
@@ -584,7 +601,7 @@ def test_each_step_is_planned_once_and_a_plain_plan_is_the_whole_proposal():
     tuner = ShapeTuner(options.widths, 6, options.auto_width, options.auto_depth)
     plans = []
     plan_step = tuner.plan_step
-    tuner.plan_step = lambda b: plans.append(plan_step(b)) or plans[-1]
+    tuner.plan_step = lambda *a: plans.append(plan_step(*a)) or plans[-1]
     session = StepSession(options, tuner, clock=FakeClock())
     roots, bonus = [5, 20], [3, 8]
     for n in range(1, PLAIN_BEFORE_FIRST_LOOK + 8):

@@ -56,6 +56,7 @@ class StepStats:
 
     draft_steps: int = 0  # proposals (steps that asked the drafter)
     plain_steps: int = 0  # proposals that drafted nothing: plain decoding predicted faster
+    first_drafting_step: int = 0  # the proposal (1, 2, ...) that first drafted (0: none yet)
     draft_passes: int = 0  # draft forwards
     # of those, dispatched to a captured CUDA-graph bucket (vLLM's CUDAGraphWrapper replays
     # them; a dispatch, not a counted replay), and the steps with at least one
@@ -176,17 +177,17 @@ class StepSession:
     # ---- 1. plan, then propose ----------------------------------------------------------
     def plan_step(self, req_ids: list[str]) -> StepPlan:
         """This step's drafting budget for the requests `req_ids` (depth 0: plain decoding is
-        predicted faster, or, with an auto shape, the step just run had prompt tokens). A plain
+        predicted faster, or, with an auto shape after a step with prompt tokens, drafting
+        would delay the next step by more than the tuner allows). A plain
         plan is the step's whole proposal: it is counted here and `propose` is not called; any
         other is drafted by the next `propose`."""
         start = self.clock()
         self._close_step(start, req_ids)
-        if self.options.is_tree and self.tuner is not None and self._prompt_step:
-            # the batch is forming (a burst's requests join a step or a few apart): drafting
-            # for the requests already in would run every pass before the others' prefill
-            plan = StepPlan(TreeShape(self.tuner.width, 0), False, False)
-        elif self.options.is_tree and self.tuner is not None:
-            plan = self.share(self.tuner.plan_step(len(req_ids)))
+        if self.options.is_tree and self.tuner is not None:
+            # after a step with prompt tokens, the batch may be forming (a burst's requests
+            # join a step or a few apart): the tuner caps what drafting may delay the next
+            # step's prefill by (`ShapeTuner.plan_step`)
+            plan = self.share(self.tuner.plan_step(len(req_ids), self._prompt_step))
         else:
             plan = StepPlan(self.shape, adaptive=False, full_depth=True)
         self._plan = None
@@ -250,6 +251,8 @@ class StepSession:
             start, end, num_passes > 0, req_ids, step_start
         )
         self.stats.draft_steps += 1
+        if num_passes and not self.stats.first_drafting_step:
+            self.stats.first_drafting_step = self.stats.draft_steps
         self.stats.draft_passes += num_passes
         self.stats.draft_seconds += end - start
 

@@ -107,6 +107,27 @@ def time_lm_heads(
     heads.start_with_cheaper(widest)
 
 
+def time_draft_pass(
+    run_pass: Callable[[int], None],
+    rows: list[int],
+    device: torch.device,
+    observe: Callable[[int, float], None],
+    repeats: int = 2,
+) -> None:
+    """A draft pass (`run_pass(r)`: the draft's forward and logits over r rows, attention
+    skipped) timed at each of `rows`, for the tuner to price its first steps before any is
+    timed (`CostModel.seed_draft_pass`); once, before the first step (waits for the device)."""
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for r in rows:
+        run_pass(r)  # first call: kernels' one-off work
+        wait()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run_pass(r)
+        wait()
+        observe(r, (time.perf_counter() - start) / repeats)
+
+
 def allocate_peak_temporaries(
     options: SubSpecOptions,
     vllm_config,

@@ -181,6 +181,30 @@ class SubSpecProposer(DraftModelProposer):
             self._peak_temporaries_profiled = True
             self.run_peak_temporaries(hidden.shape[-1], hidden.dtype)
 
+    @torch.inference_mode()
+    def price_draft_pass(self) -> None:
+        """Time a draft pass at 1, k and 4k rows for the tuner (`draft_startup.time_draft_pass`):
+        with plain steps' time, it prices the first drafting steps before any is timed. Called
+        by the runner once, before the first step is planned; writes no KV."""
+        tuner = self.session.tuner
+        if tuner is None or not tuner.model.measure_rates:
+            return
+        widest, bound = max(self.options.widths), self.warm_up_rows()
+        rows = sorted({1, min(widest, bound), min(4 * widest, bound)})
+
+        def run_pass(r: int) -> None:
+            with set_forward_context(
+                None,
+                self.vllm_config,
+                num_tokens=r,
+                cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                slot_mapping={},
+            ):
+                hidden = self.model(input_ids=self.input_ids[:r], positions=self.positions[:r])
+            self.model.compute_logits(hidden[:r], tuner.lm_head)
+
+        draft_startup.time_draft_pass(run_pass, rows, self.device, tuner.model.seed_draft_pass)
+
     def run_peak_temporaries(self, hidden_size: int, dtype: torch.dtype) -> None:
         """A step's widest temporaries past its forwards, for vLLM's memory profile
         (`draft_startup.allocate_peak_temporaries`)."""

@@ -67,6 +67,7 @@ class SubSpecRunner:
             lm_head_logits=lambda hidden, head: self.drafter.model.compute_logits(hidden, head),
         )
         self._verify_cad = None  # this step's drafter metadata, until its forward is queued
+        self._draft_pass_priced = False  # `SubSpecProposer.price_draft_pass` has run
 
     # ---- 2. loading (the worker's `load_model`) ------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
@@ -128,6 +129,9 @@ class SubSpecRunner:
         inputs (`EagleProposer.prepare_next_token_ids_padded`, `prepare_inputs_padded`) are
         not built for it; any other goes on to `self.drafter.propose`."""
         req_ids = self.input_batch.req_ids[: self.input_batch.num_reqs]
+        if not self._draft_pass_priced:  # the first step: before the tuner plans any
+            self._draft_pass_priced = True
+            self.drafter.price_draft_pass()
         if self.session.plan_step(req_ids).shape.depth == 0:
             return self.drafter.plain_step(len(req_ids))
         return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)

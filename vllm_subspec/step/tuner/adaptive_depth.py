@@ -43,11 +43,11 @@ class AdaptiveDepth:
         tokens, seconds = self._step_so_far(p, width, reached)
         candidates = [i for i, r in enumerate(reached) if r == d]
         verify_row = self.model.verify_row_cost(width, len(reached) + width * sum(reached))
-        row_cost = width * (self.model.draft_pass[width].per_row() + verify_row)
+        row_cost = width * (self.model.pass_cost(width).per_row() + verify_row)
         going = [i for i in candidates if float(p[i, d]) * seconds > tokens * row_cost]
         gain = float(p[going, d].sum())
         rows = width * len(going)
-        cost = self.model.draft_pass[width](rows) + verify_row * rows
+        cost = self.model.pass_cost(width)(rows) + verify_row * rows
         return going if going and gain * seconds > tokens * cost else []
 
     def verify_depths(

@@ -54,6 +54,9 @@ class CostModel:
         self.forward = RowsCurve()
         # per width: the most rows its verifies have had (decaying): the line is trusted there
         self.verify_rows = {w: 0.0 for w in widths}
+        # a draft pass over r rows, timed once before the first step (`seed_draft_pass`): with
+        # `forward`, it prices a step before any of its passes or verifies is timed (`priced`)
+        self.draft_prior = LinearCost()
 
     @property
     def draft_pass(self) -> dict:
@@ -71,21 +74,65 @@ class CostModel:
         """The widths whose verify has been timed."""
         return [w for w in self.widths if self.verify[w].known]
 
+    @property
+    def priced(self) -> bool:
+        """Whether a step can be priced before any verify is timed (with measured rates): a
+        draft pass was timed at start (`seed_draft_pass`) and a plain step's forward measured
+        (`forward`); a verify is then priced as a forward over its rows (`prior_verify`)."""
+        return self.measure_rates and self.draft_prior.known and self.forward.known
+
+    def prior_verify(self, rows: float) -> float:
+        """A verify of `rows` rows before any is timed: plain steps' forward at as many rows
+        (`forward`: with offloading, the weight stream, whatever the rows), and past the
+        widest plain step each further row at the draft pass's cost per row (the same layers'
+        compute; a verify's tree attention on top is what its own timings then add)."""
+        widest = self.forward.widest
+        extra = max(rows - widest, 0.0) * self.draft_prior.per_row()
+        return max(self.forward(rows), self.forward(widest) + extra)
+
+    def pass_cost(self, width: int) -> LinearCost:
+        """The cost of a draft pass of width `width`'s trees: its own once timed, else the
+        root passes', else the one timed at start."""
+        for cost in (self.draft_pass[width], self.draft_pass[0]):
+            if cost.known:
+                return cost
+        return self.draft_prior if self.priced else self.draft_pass[width]
+
+    def seed_draft_pass(self, rows: int, seconds: float) -> None:
+        """A draft pass over `rows` rows took `seconds` (timed before the first step)."""
+        self.draft_prior.add(rows, seconds)
+
     # ---- predictions ---------------------------------------------------------------------
+    def forward_floor(self, rows: float) -> float:
+        """What a verify of `rows` rows costs at least, with measured rates: plain steps'
+        forward over as many rows, within or past the rows plain steps have had (0 below
+        them, or unmeasured). A width's line fitted at one row count is proportional to rows,
+        which with offloading (a forward's cost flat in its rows) prices small verifies far
+        too cheap; this floor is the weight stream they pay as well."""
+        if not self.measure_rates or not self.forward.known or rows < self.forward.narrowest:
+            return 0.0
+        return self.forward(rows)
+
     def verify_cost(self, width: int, rows: float) -> float:
-        """Seconds of a verify of `rows` rows of width-k trees: its fitted line; past the most
-        rows this width's verifies have had (with measured rates), no less than the line
-        there plus what plain steps' forwards grow by between the two row counts (`forward`:
-        the knee of a CPU's roofline, which a line fitted at few rows misses)."""
-        seconds = self.verify[width](rows)
+        """Seconds of a verify of `rows` rows of width-k trees: its fitted line, no less than
+        a plain step's forward over as many rows (`forward_floor`); past the most rows this
+        width's verifies have had (with measured rates), no less than the line there plus
+        what plain steps' forwards grow by between the two row counts (`forward`: the knee of
+        a CPU's roofline, which a line fitted at few rows misses)."""
+        if not self.verify[width].known and self.priced:
+            return self.prior_verify(rows)
+        seconds = max(self.verify[width](rows), self.forward_floor(rows))
         widest = self.verify_rows[width]
         if not self.measure_rates or rows <= widest or not self.forward.known:
             return seconds
         return max(seconds, self.verify[width](widest) + self.forward(rows) - self.forward(widest))
 
     def verify_row_cost(self, width: int, rows: float) -> float:
-        """Seconds one more verify row costs at `rows` rows (`verify_cost`'s slope, at most)."""
+        """Seconds one more verify row costs at `rows` rows (`verify_cost`'s slope, at most;
+        where the forward floor binds, its slope)."""
         per_row = self.verify[width].per_row()
+        if self.forward_floor(rows) > self.verify[width](rows):
+            return self.forward.slope(rows)
         if not self.measure_rates or rows <= self.verify_rows[width]:
             return per_row
         return max(per_row, self.forward.slope(rows))
@@ -107,14 +154,14 @@ class CostModel:
         passes over `pass_rows` rows in all (the cost is linear in rows, so each costs what a
         pass over their mean does), and the verify of B + `nodes` rows. head: drafting with
         this lm_head instead of the current one (the passes were measured with that)."""
-        later = passes * self.draft_pass[width](pass_rows / passes) if passes else 0.0
+        later = passes * self.pass_cost(width)(pass_rows / passes) if passes else 0.0
         if self._other_head(head):
             later += self.lm_heads.extra_seconds(head, batch_size)
             if passes:
                 later += passes * self.lm_heads.extra_seconds(head, pass_rows / passes)
         return max(
             self.other(0)
-            + self.draft_pass[0](batch_size)
+            + self.pass_cost(0)(batch_size)
             + later
             + self.verify_cost(width, batch_size + nodes),
             1e-9,
@@ -125,11 +172,11 @@ class CostModel:
     ) -> float:
         """`step_seconds` with width `like`'s costs (for a width not measured yet; passes
         over more rows than the root's cost, where no later pass was timed, like the root's)."""
-        pass_cost = self.draft_pass[like] if self.draft_pass[like].known else self.draft_pass[0]
+        pass_cost = self.pass_cost(like)
         later = passes * pass_cost(pass_rows / passes) if passes else 0.0
         return (
             self.other(0)
-            + self.draft_pass[0](batch_size)
+            + self.pass_cost(0)(batch_size)
             + later
             + self.verify_cost(like, batch_size + nodes)
         )
@@ -164,6 +211,7 @@ class CostModel:
         widest = self.verify_rows[width]
         floor = self.forward if self.measure_rates and self.forward.known else None
         anchor = verify + verify_row * widest - (floor(widest) if floor else 0.0)
+        narrowest = floor.narrowest if floor is not None else 0.0
         rates, tokens, reached = [], float(batch_size), 0
         for depth in depths:
             while reached < depth:
@@ -171,6 +219,8 @@ class CostModel:
                 reached += 1
             verify_rows = batch_size + depth * rows
             seconds = verify + verify_row * verify_rows
+            if floor is not None and verify_rows >= narrowest:  # `forward_floor`
+                seconds = max(seconds, floor(verify_rows))
             if floor is not None and verify_rows > widest:
                 seconds = max(seconds, anchor + floor(verify_rows))
             rates.append(tokens / max(fixed + (depth - 1) * per_pass + seconds, 1e-9))
@@ -178,11 +228,14 @@ class CostModel:
 
     def plain_rate(self, batch_size: int) -> float:
         """Predicted tokens/s of plain decoding steps (no draft): one row per request, timed
-        as the narrowest width's verify (a chain's is a plain causal pass), 0 if unmeasured."""
-        verify = self.verify[min(self.widths)]
-        if not verify.known:
-            return 0.0
-        return batch_size / max(self.other(0) + verify(batch_size), 1e-9)
+        as the narrowest width's verify (a chain's is a plain causal pass), or before any
+        verify as plain steps' forward (`priced`); 0 if unmeasured."""
+        narrowest = min(self.widths)
+        if self.verify[narrowest].known:  # (no cheaper than plain steps' own forward)
+            return batch_size / max(self.other(0) + self.verify_cost(narrowest, batch_size), 1e-9)
+        if self.priced:
+            return batch_size / max(self.other(0) + self.forward(batch_size), 1e-9)
+        return 0.0
 
     # ---- measurements --------------------------------------------------------------------
     def observe_draft(

@@ -39,11 +39,16 @@ class Exploration:
 
     def width(self, unexplored: list[int], current: int, batch_size: int) -> int:
         """The width to explore next: the widest unexplored one (none: `current`); for the
-        first look (no verify timed yet, measured rates on), the widest whose depth has at
-        most EXPLORE_ROWS rows (else the narrowest): what a row costs is not known yet."""
+        first look (no verify timed yet, measured rates on) of an engine that cannot price
+        one (`CostModel.priced`), the widest whose depth has at most EXPLORE_ROWS rows (else
+        the narrowest): what a row costs is not known yet."""
         if not unexplored:
             return current
-        if not (self.model.measure_rates and self.auto_depth) or self.model.known_widths():
+        if (
+            not (self.model.measure_rates and self.auto_depth)
+            or self.model.known_widths()
+            or self.model.priced
+        ):
             return max(unexplored)
         fitting = [w for w in unexplored if batch_size * w <= EXPLORE_ROWS]
         return max(fitting) if fitting else min(unexplored)
@@ -53,19 +58,21 @@ class Exploration:
         (`RateGuard.allowance`): what it is predicted to lose against plain's measured rate
         (its predicted seconds less the time plain needs for its predicted tokens), and is
         not overdrawn (a predicted gain is not yet a measured one). Before any verify is
-        timed (the first look): once the allowance covers EXPLORE_COST plain steps, what an
+        timed, priced from the draft pass timed at start and plain steps' forward
+        (`CostModel.priced`, plain's rate predicted where this batch size has not run plain);
+        unpriced (the first look): once the allowance covers EXPLORE_COST plain steps, what an
         exploration step may cost (on a CPU, one depth over 8 requests took ~3.4)."""
         if not self.model.measure_rates:
             return True
-        allowance, plain = self.guard.allowance(batch_size), self.guard.rate(False, batch_size)
+        allowance, plain = self.guard.allowance(batch_size), self._plain_rate(batch_size)
         known = self.model.known_widths()
         if plain is None:
             return allowance >= 0.0
-        if not known:
+        if not known and not self.model.priced:
             return allowance >= EXPLORE_COST * batch_size / plain
         rows = batch_size * width
         seconds = self.model.step_seconds_like(
-            width if width in known else max(known),
+            self._like(width, known),
             batch_size,
             depth - 1,
             (depth - 1) * rows,
@@ -84,7 +91,7 @@ class Exploration:
         plain = self.guard.rate(False, batch_size) or self.model.plain_rate(batch_size)
         # a width not yet run is costed like the widest one that has (its rows cost as much)
         known = self.model.known_widths()
-        if not plain or not known:
+        if not plain or not (known or self.model.priced):
             # the first look: one depth, what a row costs is unknown (with several widths to
             # explore: their looks that follow, costed, differ in rows, so the fit gets a slope)
             return (
@@ -95,7 +102,7 @@ class Exploration:
                 and len(self.widths) > 1
                 else max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
             )
-        like = width if width in known else max(known)
+        like = self._like(width, known)
         budget = EXPLORE_COST * batch_size / plain
         if (
             self.model.measure_rates
@@ -103,6 +110,20 @@ class Exploration:
         ):
             return 0  # one depth alone costs more than the budget: do not explore it now
         return self._deepest_within(budget, like, width, depth, batch_size)
+
+    def _plain_rate(self, batch_size: int) -> float | None:
+        """Plain's measured rate at this batch size, else (priced) the model's prediction
+        from plain steps' forward at other batch sizes: costs are per row, not per bucket."""
+        measured = self.guard.rate(False, batch_size)
+        if measured is None and self.model.priced:
+            return self.model.plain_rate(batch_size) or None
+        return measured
+
+    @staticmethod
+    def _like(width: int, known: list[int]) -> int:
+        """The width whose costs price `width`'s step: its own, else the widest timed one's
+        (its rows cost as much), else its own priors (`CostModel.pass_cost`)."""
+        return width if width in known or not known else max(known)
 
     def _deepest_within(
         self, budget: float, like: int, width: int, depth: int, batch_size: int

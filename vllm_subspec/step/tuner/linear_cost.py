@@ -81,6 +81,16 @@ class RowsCurve:
     def known(self) -> bool:
         return bool(self._rows)
 
+    @property
+    def narrowest(self) -> float:
+        """The fewest rows of its points (0 with none)."""
+        return self._rows[0] if self._rows else 0.0
+
+    @property
+    def widest(self) -> float:
+        """The most rows of its points (0 with none)."""
+        return self._rows[-1] if self._rows else 0.0
+
     def slope(self, rows: float) -> float:
         """Seconds per row at `rows` (0 below the first point and with one point)."""
         n = len(self._rows)

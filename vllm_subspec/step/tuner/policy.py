@@ -94,10 +94,14 @@ class ShapePolicy:
         return self._deeper_look(batch_size) or self._chosen_shape_step(batch_size) or plain
 
     def _plain_unmeasured(self, batch_size: int) -> bool:
+        """Plain first at a batch size until its plain rate is measured; not where the cost
+        model prices steps (`CostModel.priced`) and plain has been measured at another batch
+        size: costs are per row, so a new batch size drafts from its first step."""
         return (
             self.auto_depth
             and self.model.measure_rates
             and self.guard.rate(False, batch_size) is None
+            and not (self.model.priced and self.guard.plain_measured())
         )
 
     def _rechoose_if_measured_slower(self, batch_size: int) -> None:

@@ -79,6 +79,10 @@ class RateGuard:
             return None
         return self.tokens[key] / self.seconds[key]
 
+    def plain_measured(self) -> bool:
+        """Whether plain's rate is measured at some batch size."""
+        return any(n >= MIN_STEPS[False] for (kind, _), n in self.steps.items() if kind is False)
+
     def allowance(self, batch_size: int) -> float:
         """Seconds that drafting not yet measured faster may still lose at this batch size:
         EXPLORE_BUDGET of the time its steps have run, less what drafting steps lost against

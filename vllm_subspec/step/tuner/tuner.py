@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_subspec.step.tree import TreeShape
 from vllm_subspec.step.tuner.acceptance import MassCalibration, WidthAcceptance
 from vllm_subspec.step.tuner.adaptive_depth import AdaptiveDepth
 from vllm_subspec.step.tuner.choice import ShapeChoice
@@ -21,6 +22,10 @@ from vllm_subspec.step.tuner.exploration import Exploration
 from vllm_subspec.step.tuner.lm_head_choice import LmHeadChoice
 from vllm_subspec.step.tuner.policy import ShapePolicy, StepPlan
 from vllm_subspec.step.tuner.rate_guard import RateGuard
+
+# After a step with prompt tokens, drafting may delay the next step (where the requests that
+# joined run their prefill) by at most this many plain steps' time.
+AFTER_PROMPT_DRAFT_STEPS = 1.0
 
 
 class ShapeTuner:
@@ -109,12 +114,37 @@ class ShapeTuner:
         return self.model.other
 
     # ---- the plan, across steps, and the depth within a step -----------------------------
-    def plan_step(self, batch_size: int) -> StepPlan:
+    def plan_step(self, batch_size: int, after_prompt: bool = False) -> StepPlan:
+        """This step's plan (`ShapePolicy.plan`). after_prompt: the step just run had prompt
+        tokens, so more requests may be about to join: its drafting is capped to what the
+        cost model predicts within AFTER_PROMPT_DRAFT_STEPS plain steps (`after_prompt_depth`;
+        with offloading, where a pass is a small part of a step, that leaves it deep)."""
         plan = self.policy.plan(batch_size)
+        if after_prompt and plan.shape.depth > 0:
+            depth = min(plan.shape.depth, self.after_prompt_depth(plan.shape.width, batch_size))
+            plan.shape = TreeShape(plan.shape.width, depth)
         plan.lm_head = self.lm_head
         if plan.shape.depth > 0 and self.lm_heads is not None:
             plan.compare_lm_heads = self.lm_heads.compare_this_step()
         return plan
+
+    def after_prompt_depth(self, width: int, batch_size: int) -> int:
+        """The deepest tree whose drafting (the root pass and the passes after it) is predicted
+        to take at most AFTER_PROMPT_DRAFT_STEPS plain steps of `batch_size` requests; 0 where
+        neither is priced yet (given costs: unbounded)."""
+        if not self.model.measure_rates:
+            return self.max_depth
+        plain = self.guard.rate(False, batch_size) or self.model.plain_rate(batch_size)
+        root, later = self.model.pass_cost(0), self.model.pass_cost(width)
+        if not plain or not root.known:
+            return 0
+        budget = AFTER_PROMPT_DRAFT_STEPS * batch_size / plain - root(batch_size)
+        per_pass = later(batch_size * width)
+        if budget < 0:
+            return 0
+        if per_pass <= 0:
+            return self.max_depth
+        return min(self.max_depth, 1 + int(budget / per_pass))
 
     def drafting_next(self, log_mass: torch.Tensor, width: int, reached: list[int]) -> list[int]:
         """`AdaptiveDepth.drafting_next`: the requests that draft one more depth."""
