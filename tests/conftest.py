@@ -15,6 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every engine starts cold: a tuner's costs saved by an earlier test (or run) would make what
+# a test drafts depend on what ran before it (tests/unit/test_saved_costs.py tests the saving)
+os.environ.setdefault("VLLM_SUBSPEC_TUNER_MEMORY", "0")
 
 
 def _bind_worker_to_its_core() -> None:

@@ -1,7 +1,8 @@
 """What the drafter (`SubSpecProposer`, proposer.py) does once, at engine start-up: builds the
 substitutes around vLLM's weight processing (`build_substitutes`), finds the attention layers
 its passes write through (`draft_attention_layers`), warms GemLite's kernels up on CUDA
-(`warm_up_kernels`), times the lm_heads for the tuner (`time_lm_heads`) and, in vLLM's
+(`warm_up_kernels`), times the lm_heads for the tuner (`time_lm_heads`), finds the file the
+tuner's costs are kept in across restarts (`saved_tuner_costs`) and, in vLLM's
 profiling pass, allocates a step's widest temporaries (`allocate_peak_temporaries`: the
 verify's from step/verify.py, the draft level's from step/tree.py). docs/gpu.md,
 "Engine start-up".
@@ -20,7 +21,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm_subspec.config import SubSpecOptions
 from vllm_subspec.draft_model.gemlite_tuning import gemlite_autotune_kept
 from vllm_subspec.draft_model.model import decoder_layers
-from vllm_subspec.draft_model.substitute_cache import gemlite_autotune_path
+from vllm_subspec.draft_model.substitute_cache import cache_root, gemlite_autotune_path
 from vllm_subspec.draft_model.substitute_set import (
     SubstituteSet,
     build_substitute_set,
@@ -28,6 +29,7 @@ from vllm_subspec.draft_model.substitute_set import (
 )
 from vllm_subspec.step.tree import sharpened_log_probs, widest_level
 from vllm_subspec.step.tuner.lm_head_choice import COMPARED_REQUESTS
+from vllm_subspec.step.tuner.saved_costs import SavedCosts
 from vllm_subspec.step.verify import draws_at_widest
 from vllm_subspec.vllm_hooks.head_start_stream import HeadStartStream
 
@@ -105,6 +107,59 @@ def time_lm_heads(
             wait()
             heads.observe_cost(head, rows, (time.perf_counter() - start) / repeats)
     heads.start_with_cheaper(widest)
+
+
+def saved_tuner_costs(
+    options: SubSpecOptions, vllm_config, substitutes: SubstituteSet, device: torch.device
+) -> SavedCosts | None:
+    """The file this engine's tuner keeps its costs in across restarts, next to the
+    substitute cache (None: the cache is off, or `saved_costs.ENV` is "0"), keyed on what
+    sets the costs: the model, its dtype and parallelism, the offload settings, compilation,
+    the substituted layers and kernels, the tuner's shapes, this machine and the versions."""
+    import vllm
+
+    import vllm_subspec
+
+    root = cache_root(options.substitute_cache)
+    if root is None or not SavedCosts.enabled():
+        return None
+    mc, pc, oc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.offload_config
+    key = {
+        "model": str(mc.model),
+        "revision": mc.revision,
+        "dtype": str(mc.dtype),
+        "tensor_parallel": pc.tensor_parallel_size,
+        "offload": [  # (sets sorted: their order is not stable across processes)
+            oc.offload_backend,
+            oc.uva.cpu_offload_gb,
+            sorted(oc.uva.cpu_offload_params),
+            oc.prefetch.offload_group_size,
+            oc.prefetch.offload_num_in_group,
+            oc.prefetch.offload_prefetch_step,
+            sorted(oc.prefetch.offload_params),
+        ],
+        "compilation": [int(vllm_config.compilation_config.mode), mc.enforce_eager],
+        "substituted": sorted(substitutes.layers),
+        "kernels": sorted({s.kernel.name for s in substitutes.every()}),
+        "widths": list(options.widths),
+        "max_depth": options.tree_depth,
+        "lm_heads": list(options.draft_lm_heads),
+        "machine": _machine(device),
+        "versions": [vllm_subspec.__version__, vllm.__version__, torch.__version__],
+    }
+    return SavedCosts(root / "tuner", key)
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:  # the CPU's model name (a core's speed sets every cost on the CPU backend)
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()
 
 
 def time_draft_pass(

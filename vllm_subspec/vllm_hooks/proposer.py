@@ -101,6 +101,11 @@ class SubSpecProposer(DraftModelProposer):
         if self.device.type == "cuda":  # GemLite compiles per row-count bucket: do it now
             draft_startup.warm_up_kernels(substitutes, self.options, self.vllm_config, self.device)
         tuner = self.session.tuner
+        saved = draft_startup.saved_tuner_costs(
+            self.options, self.vllm_config, substitutes, self.device
+        )
+        if tuner is not None and tuner.model.measure_rates and saved is not None:
+            tuner.keep_costs(saved)
         if tuner is not None and tuner.lm_heads is not None:
             draft_startup.time_lm_heads(
                 tuner.lm_heads,

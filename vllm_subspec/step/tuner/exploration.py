@@ -83,6 +83,25 @@ class Exploration:
         # what is not yet measured (a model that says drafting wins is what can be wrong)
         return allowance >= max(0.0, seconds - tokens / plain)
 
+    def affordable_depth(self, width: int, depth: int, batch_size: int) -> int:
+        """The deepest depth up to `depth` that is `affordable`, 0 if none: a look whose full
+        depth is predicted to lose more than the allowance may still gain at a shallower one
+        (before any tree, each depth's acceptance is a prior, so deep looks are predicted to
+        lose). Bisection: the predicted loss grows with depth once a depth's tokens are worth
+        less than its pass and rows."""
+        if self.affordable(width, depth, batch_size):
+            return depth
+        if not self.affordable(width, 1, batch_size):
+            return 0
+        low, high = 1, depth - 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.affordable(width, mid, batch_size):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def depth(self, width: int, depth: int, batch_size: int) -> int:
         """`depth`, capped so that an exploration or probe step is predicted to take at most
         EXPLORE_COST plain steps (where rows are nearly free, as with offloading, it stays

@@ -29,6 +29,13 @@ class LinearCost:
     def known(self) -> bool:
         return self.n > 0
 
+    def state(self) -> list[float]:
+        """Its decayed sums (`load_state` puts them back: kept across restarts)."""
+        return [self.n, self.sx, self.sy, self.sxx, self.sxy]
+
+    def load_state(self, state: list[float]) -> None:
+        self.n, self.sx, self.sy, self.sxx, self.sxy = (float(v) for v in state)
+
     def coefficients(self) -> tuple[float, float]:
         if not self.known:
             return 0.0, 0.0
@@ -70,6 +77,20 @@ class RowsCurve:
         b = self._buckets.setdefault(bucket, [0.0, 0.0, 0.0])
         d = self.decay
         b[0], b[1], b[2] = d * b[0] + 1.0, d * b[1] + rows, d * b[2] + max(seconds, 0.0)
+        self._rebuild()
+
+    def state(self) -> dict[str, list[float]]:
+        """Its buckets' decayed sums (`load_state` puts them back: kept across restarts)."""
+        return {str(bucket): list(b) for bucket, b in self._buckets.items()}
+
+    def load_state(self, state: dict[str, list[float]]) -> None:
+        self._buckets = {int(bucket): [float(v) for v in b] for bucket, b in state.items()}
+        if any(len(b) != 3 or b[0] <= 0 for b in self._buckets.values()):
+            raise ValueError("a bucket needs a positive weight, rows and seconds")
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """The curve's points from its buckets."""
         points = sorted((r / w, s / w) for w, r, s in self._buckets.values())
         self._rows = [r for r, _ in points]
         self._seconds, low = [0.0] * len(points), float("inf")

@@ -137,6 +137,8 @@ class ShapePolicy:
             if self.auto_depth
             else self.max_depth
         )  # a fixed depth is never changed
+        if depth and self.model.measure_rates and self.model.priced:
+            depth = self.exploration.affordable_depth(width, depth, batch_size)
         if (
             not depth
             or self.model.measure_rates
@@ -241,12 +243,11 @@ class ShapePolicy:
         if not full and not (self.model.draft_pass[width].known and self.model.verify[width].known):
             # the adaptive stop weighs costs this width has not measured yet: capped rows
             depth = max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
-        if (
-            self.model.measure_rates
-            and not self.guard.verdict(batch_size)
-            and not self.exploration.affordable(width, depth, batch_size)
-        ):
-            return None
+        if self.model.measure_rates and not self.guard.verdict(batch_size):
+            if self.model.priced:  # a shallower tree may be affordable where this one is not
+                depth = self.exploration.affordable_depth(width, depth, batch_size)
+            if not depth or not self.exploration.affordable(width, depth, batch_size):
+                return None
         self.last_run[width] = self.steps
         self.exploring = full or self.exploring
         return StepPlan(TreeShape(width, depth), True, full)

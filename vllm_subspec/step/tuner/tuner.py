@@ -22,6 +22,7 @@ from vllm_subspec.step.tuner.exploration import Exploration
 from vllm_subspec.step.tuner.lm_head_choice import LmHeadChoice
 from vllm_subspec.step.tuner.policy import ShapePolicy, StepPlan
 from vllm_subspec.step.tuner.rate_guard import RateGuard
+from vllm_subspec.step.tuner.saved_costs import SAVE_EVERY, SavedCosts
 
 # After a step with prompt tokens, drafting may delay the next step (where the requests that
 # joined run their prefill) by at most this many plain steps' time.
@@ -79,6 +80,13 @@ class ShapeTuner:
             self.choice,
         )
         self.adaptive_depth = AdaptiveDepth(self.calibration, self.model, auto_depth)
+        self.saved: SavedCosts | None = None  # where its costs are kept across restarts
+
+    def keep_costs(self, saved: SavedCosts) -> bool:
+        """Keep what this tuner learns in `saved` (every SAVE_EVERY planned steps), starting
+        from what it holds; True if it held this engine's costs."""
+        self.saved = saved
+        return saved.load_into(self)
 
     def use_costs(self, costs: StepCosts) -> None:
         """Decide with `costs` from now on (e.g. a GPU's projected costs in a CPU benchmark),
@@ -120,6 +128,8 @@ class ShapeTuner:
         cost model predicts within AFTER_PROMPT_DRAFT_STEPS plain steps (`after_prompt_depth`;
         with offloading, where a pass is a small part of a step, that leaves it deep)."""
         plan = self.policy.plan(batch_size)
+        if self.saved is not None and self.policy.steps % SAVE_EVERY == 0:
+            self.saved.save(self)
         if after_prompt and plan.shape.depth > 0:
             depth = min(plan.shape.depth, self.after_prompt_depth(plan.shape.width, batch_size))
             plan.shape = TreeShape(plan.shape.width, depth)
