@@ -446,8 +446,8 @@ def _drop_one_request_per_depth(worker) -> None:
             tuner.drop_outs_seen["passes_after_a_drop_out"] += 1
         return going
 
-    tuner.plan_step = lambda batch_size: StepPlan(TreeShape(6, 8), adaptive=True,
-                                                  full_depth=False)
+    tuner.plan_step = lambda batch_size, after_prompt=False: StepPlan(
+        TreeShape(6, 8), adaptive=True, full_depth=False)
     tuner.drafting_next = drafting_next
 
 
