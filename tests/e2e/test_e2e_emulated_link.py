@@ -59,7 +59,8 @@ def test_link_charges_target_forwards_only_and_output_is_plains(
     assert passes > forwards > 0
     assert record["waited_s"] >= forwards * LINK_S
     assert all(wall >= LINK_S for _, _, wall in record["by_rows"].values())
-    draft_s = after["draft_seconds"] - before["draft_seconds"]
-    assert draft_s / passes < LINK_S / 2
-    # had the draft's passes waited too, the run would take (forwards + passes) links
-    assert forwards * LINK_S <= result.seconds < (forwards + passes) * LINK_S
+    # one target forward a step: the wrapper counts every call of the target's forward, so
+    # draft passes through it would add one a pass (not a timing: the machine may be loaded)
+    steps = after["draft_steps"] - before["draft_steps"]
+    assert forwards <= steps + 2, (forwards, steps)
+    assert forwards * LINK_S <= result.seconds
