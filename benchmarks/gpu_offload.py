@@ -391,8 +391,8 @@ def main():
         for name, plan in engine_plans(args, ModelShape.of(model), total_gb).items():
             mem = plan["memory"]
             if name == "subspec" and not args.skip_default:
-                print('[gpu_offload] subspec default-config engine: the subspec engine below '
-                      'with speculative_config={"method": "subspec"} (auto 6x48 at most)')
+                print('[gpu_offload:default] the subspec engine below, with '
+                      'speculative_config={"method": "subspec"} (auto, 6x48 at most)')
             print(f"[gpu_offload] {name} engine: {plan['offloaded_layers']} layers offloaded; "
                   f"speculative_config={json.dumps(plan['speculative_config'])}; "
                   f"{json.dumps(plan['engine'])}; limit {args.memory_gb:.1f} GB, reserve "

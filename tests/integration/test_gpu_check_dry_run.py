@@ -20,6 +20,9 @@ def test_gpu_check_dry_run_lists_engines_and_plans_without_a_gpu():
     assert out.stdout.count("test_greedy_lossless_with_offload[") == 12
     assert "'max_num_seqs': 64" in out.stdout
     assert "[gpu_offload] plain engine:" in out.stdout
+    # the default config, what users run, is timed beside the fixed tree
+    assert '[gpu_offload:default] the subspec engine below, with speculative_config=' \
+        '{"method": "subspec"}' in out.stdout
     assert '"max_num_seqs": 4' in out.stdout and "profiling peak" in out.stdout
     # the KV cache is pinned, equal for both engines, and the plan leaves >= 1 GB of slack
     assert out.stdout.count('"kv_cache_memory_bytes": ') == 2
