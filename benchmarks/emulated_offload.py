@@ -604,13 +604,14 @@ def plot(report: dict, path) -> None:
         color=["C0" if r["config"] == "default" else "C1" for r in rows],
     )
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(rows)), labels, fontsize=6)
+    ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=45, ha="right")
     ax.set_ylabel("SubSpec / plain tok/s")
     link = report["link"]
     ax.set_title(
         f"{os.path.basename(report['model'])}, EMULATED link "
         f"{link['bandwidth_gbps']:.2f} GB/s ({link['seconds_per_forward']:.2f} s/fwd, "
-        f"{len(link['layers'])} layers), R {report['ratio']:.0f}",
+        f"{len(link['layers'])} layers), R {report['ratio']:.0f}"
+        + (" (reduced ratio)" if report["reduced_ratio"] else ""),
         fontsize=8,
     )
     fig.tight_layout()
