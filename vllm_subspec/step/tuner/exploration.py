@@ -84,15 +84,16 @@ class Exploration:
         return allowance >= max(0.0, seconds - tokens / plain)
 
     def affordable_depth(self, width: int, depth: int, batch_size: int) -> int:
-        """The deepest depth up to `depth` that is `affordable`, 0 if none: a look whose full
+        """The deepest depth up to `depth` that is `affordable` (unpriced: `depth` or 0), 0 if
+        none: a look whose full
         depth is predicted to lose more than the allowance may still gain at a shallower one
         (before any tree, each depth's acceptance is a prior, so deep looks are predicted to
         lose). Bisection: the predicted loss grows with depth once a depth's tokens are worth
         less than its pass and rows."""
         if self.affordable(width, depth, batch_size):
             return depth
-        if not self.affordable(width, 1, batch_size):
-            return 0
+        if not self.model.priced or not self.affordable(width, 1, batch_size):
+            return 0  # (unpriced: the look as planned, or none)
         low, high = 1, depth - 1
         while low < high:
             mid = (low + high + 1) // 2

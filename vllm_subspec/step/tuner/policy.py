@@ -137,14 +137,10 @@ class ShapePolicy:
             if self.auto_depth
             else self.max_depth
         )  # a fixed depth is never changed
-        if depth and self.model.measure_rates and self.model.priced:
-            depth = self.exploration.affordable_depth(width, depth, batch_size)
-        if (
-            not depth
-            or self.model.measure_rates
-            and self.guard.exploration_loses(batch_size)
-            or not self.exploration.affordable(width, depth, batch_size)
-        ):
+        if not depth or self.model.measure_rates and self.guard.exploration_loses(batch_size):
+            return False
+        depth = self.exploration.affordable_depth(width, depth, batch_size)
+        if not depth:
             return False
         self.width, self.depth = width, depth
         self.exploring = self.auto_depth  # (kept apart from the chosen shapes' rate)
@@ -244,9 +240,9 @@ class ShapePolicy:
             # the adaptive stop weighs costs this width has not measured yet: capped rows
             depth = max(1, min(depth, EXPLORE_ROWS // max(1, batch_size * width)))
         if self.model.measure_rates and not self.guard.verdict(batch_size):
-            if self.model.priced:  # a shallower tree may be affordable where this one is not
-                depth = self.exploration.affordable_depth(width, depth, batch_size)
-            if not depth or not self.exploration.affordable(width, depth, batch_size):
+            # (priced: a shallower tree may be affordable where this one is not)
+            depth = self.exploration.affordable_depth(width, depth, batch_size)
+            if not depth:
                 return None
         self.last_run[width] = self.steps
         self.exploring = full or self.exploring
